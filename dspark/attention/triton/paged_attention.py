@@ -1,0 +1,320 @@
+"""Paged attention over a ragged token stream (prefill chunks, decode and verify rows).
+
+Grid `(T // BLOCK_Q + R + 1, Hkv, num_splits)`. Axis 0 enumerates query blocks: request r
+owns the programs `[cu_q[r] // BLOCK_Q + r, cu_q[r+1] // BLOCK_Q + r + 1)`, which is at
+least `ceil(len_r / BLOCK_Q)` of them for any device `cu_q` (surplus programs exit at once),
+and the programs past `cu_q[R] // BLOCK_Q + R` cover the padding tail (a virtual request R
+with seq_len 0, whose rows come out as zeros). A program finds its request by binary search,
+so the grid depends only on CPU numbers (T, R, `max_query_len` for the block shape), never on
+device lengths: no host sync, and a CUDA graph captured at one T/R replays correctly with any
+device boundaries.
+
+A program holds `BLOCK_Q` consecutive query tokens x the `GROUP` query heads of one KV head
+(`BLOCK_M = BLOCK_Q * GROUP_PAD` rows), so each KV tile is loaded once for the whole group
+and all tokens of a decode/verify row. It streams the request's KV through `block_tables`
+in tiles of `BLOCK_N` positions (one table lookup per position, so any page size works)
+with an fp32 online softmax in the exp2 domain, up to `min(seq_len, max position + 1)`.
+The causal rule is the reference's: key position <= query position and < seq_len.
+
+With `num_splits > 1` (flash decoding, for few programs over long contexts) axis 2 splits
+each program's KV range into equal tile-aligned chunks computed on device; every split
+writes a normalised partial output and its log-sum-exp (base 2), then `_combine_kernel`
+merges them. Empty splits write zeros and a -1e30 sentinel, so every partial is written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark.attention.base import AttentionMetadata
+
+LSE_EMPTY = -1.0e30  # log-sum-exp written by a split that saw no key
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_req(cu_q_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
+    """Last r in [0, R] with cu_q[r] // BLOCK_Q + r <= pid (strictly increasing in r)."""
+    lo: tl.int32 = 0
+    hi = num_reqs + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
+        if val <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
+    """One online-softmax update: s [M, N] scores in log2 units (-inf = masked), v [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_paged(
+    acc, m_i, l_i,
+    q,  # [BLOCK_M, BLOCK_D]
+    qpos,  # [BLOCK_M] int32 query positions (used when CAUSAL)
+    kv_lo, kv_hi,  # key positions [kv_lo, kv_hi) of this request
+    k_cache_ptr, v_cache_ptr, bt_ptr, kvh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    sm_scale_log2,
+    CAUSAL: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = start + offs_n
+        k_ok = kpos < kv_hi
+        blk = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        in_page = (kpos % PAGE).to(tl.int64)
+        kt_ptrs = k_cache_ptr + (blk * stride_kb + in_page * stride_ks + kvh * stride_kh)[None, :]
+        kt = tl.load(kt_ptrs + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
+        if CAUSAL:
+            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        else:
+            visible = k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        v_ptrs = v_cache_ptr + (blk * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
+        v = tl.load(v_ptrs + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_result(
+    acc, m_i, l_i, row_tok, row_head, row_ok, split,
+    out_ptr, stride_ot, stride_oh,
+    part_o_ptr, part_lse_ptr, num_tokens,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Write the final output (one split) or this split's partial output and lse."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tok = row_tok.to(tl.int64)
+    if NUM_SPLITS == 1:
+        ptrs = out_ptr + (tok * stride_ot + row_head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        row = (split * num_tokens + tok) * NUM_HEADS + row_head  # [S, T, H] row index
+        tl.store(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], o, mask=mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), -1.0e30)
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    cu_q_ptr, seq_lens_ptr, positions_ptr, block_tables_ptr,
+    num_reqs, num_tokens, sm_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    r = _find_req(cu_q_ptr, pid, num_reqs, BLOCK_Q)
+    is_real = r < num_reqs
+    q_start = tl.load(cu_q_ptr + r)
+    q_end = tl.load(cu_q_ptr + r + 1, mask=is_real, other=0)
+    q_end = tl.where(is_real, q_end, num_tokens)
+    tok0 = q_start + (pid - (q_start // BLOCK_Q + r)) * BLOCK_Q
+    if tok0 >= q_end:
+        return
+    seq_len = tl.load(seq_lens_ptr + r, mask=is_real, other=0)  # padding tail: no keys
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_tok = tok0 + offs_m // GROUP_PAD
+    row_g = offs_m % GROUP_PAD
+    row_head = kvh * GROUP + row_g
+    row_ok = (row_tok < q_end) & (row_g < GROUP)
+    qpos = tl.load(positions_ptr + row_tok, mask=row_ok, other=-1).to(tl.int32)
+    q_ptrs = q_ptr + (row_tok.to(tl.int64) * stride_qt + row_head * stride_qh)[:, None]
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
+
+    kv_hi = tl.minimum(seq_len, tl.max(qpos, axis=0) + 1)
+    chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_hi)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_paged(
+        acc, m_i, l_i, q, qpos, lo, hi,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + r.to(tl.int64) * stride_bt, kvh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, sm_scale_log2,
+        CAUSAL=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+    _store_result(
+        acc, m_i, l_i, row_tok, row_head, row_ok, split,
+        out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr, num_tokens,
+        NUM_HEADS=NUM_HEADS, NUM_SPLITS=NUM_SPLITS, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr,  # [S, N, H, D] fp32, normalised per split
+    part_lse_ptr,  # [S, N, H] fp32, base-2 log-sum-exp (LSE_EMPTY for empty splits)
+    out_ptr, stride_ot, stride_oh, num_tokens,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    row = (offs_s * num_tokens + tok) * NUM_HEADS + head  # [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    mask = s_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """All allocations of this package (tests swap in a NaN-filled version)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pick_num_splits(
+    device: torch.device, num_programs: int, max_kv_len: int, max_splits: int, min_chunk: int
+) -> int:
+    """Split the KV range only when the grid cannot fill the chip and contexts are long."""
+    sms = num_sms(device)
+    if max_splits <= 1 or num_programs >= sms:
+        return 1
+    splits = min(max_splits, triton.cdiv(2 * sms, num_programs), max_kv_len // min_chunk)
+    return max(1, splits)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def combine_splits(part_o, part_lse, out3d: torch.Tensor) -> None:
+    """Merge [S, N, H, D] partials into out3d [N, H, D] (last dim contiguous)."""
+    num_splits, num_tokens, num_heads, head_dim = part_o.shape
+    _combine_kernel[(num_tokens, num_heads)](
+        part_o, part_lse, out3d, out3d.stride(0), out3d.stride(1), num_tokens,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if head_dim * num_splits <= 512 else 2,
+    )
+
+
+def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool):
+    """(BLOCK_Q, BLOCK_N, num_warps, num_stages) from CPU-side numbers only."""
+    rows = max(1, max_query_len) * group_pad
+    if not on_gpu:  # interpreter: few, fat programs run fastest
+        block_m = max(16, min(64, triton.next_power_of_2(rows)))
+        return max(1, block_m // group_pad), 16, 1, 1
+    if rows <= 16:  # decode / short verify rows: memory bound, one tile of rows
+        block_m, block_n, warps, stages = 16, 64 if head_dim <= 128 else 32, 4, 3
+    elif rows <= 64:
+        block_m, block_n, warps, stages = 64, 64 if head_dim <= 128 else 32, 4, 3
+    else:  # prefill
+        block_m, block_n, warps, stages = 128, 64 if head_dim <= 128 else 32, 8, 2
+    block_m = max(block_m, group_pad)
+    return block_m // group_pad, block_n, warps, stages
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D]
+    num_splits: int | None = None,  # None: heuristic
+    max_splits: int = 16,
+    min_chunk: int = 128,
+    block_q: int | None = None,  # test overrides of the launch config
+    block_n: int | None = None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = _empty(q.shape, q.dtype, q.device)
+    if num_tokens == 0:
+        return out
+    if md.num_reqs == 0:
+        return out.zero_()
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    bq, bn, warps, stages = _launch_config(group_pad, md.max_query_len, head_dim, q.is_cuda)
+    bq, bn = block_q or bq, block_n or bn
+    num_q_progs = num_tokens // bq + md.num_reqs + 1
+    if num_splits is None:
+        busy = md.num_reqs * num_kv_heads * triton.cdiv(max(1, md.max_query_len), bq)
+        num_splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
+    if num_splits > 1:
+        part_o = _empty((num_splits, num_tokens, num_heads, head_dim), torch.float32, q.device)
+        part_lse = _empty((num_splits, num_tokens, num_heads), torch.float32, q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _paged_attention_kernel[(num_q_progs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        md.query_start_loc, md.seq_lens, md.positions, md.block_tables,
+        md.num_reqs, num_tokens, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        md.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=bn,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    if num_splits > 1:
+        combine_splits(part_o, part_lse, out)
+    return out

@@ -1,0 +1,66 @@
+"""`triton` attention backend: paged attention, KV write and drafter attention in Triton.
+
+The kernels are imported lazily (on construction) so that `dspark.attention` imports on
+machines without triton. Everything is CUDA-graph capturable: launch grids and block shapes
+come from CPU-side numbers only (token count, `num_reqs`, `max_query_len`, `max_seq_len`),
+and correctness never depends on those bounds being tight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dspark.attention.base import AttentionBackend, AttentionMetadata
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, max_splits: int = 16, min_split_len: int = 128) -> None:
+        """max_splits / min_split_len bound flash-decoding's KV splits (1 disables them)."""
+        # lazy: importing the kernels imports triton
+        from dspark.attention.triton import draft_attention, kv_write, paged_attention
+
+        self._write_kv = kv_write.write_kv
+        self._paged_attention = paged_attention.paged_attention
+        self._draft_attention = draft_attention.draft_attention
+        self.max_splits = max_splits
+        self.min_split_len = min_split_len
+
+    @staticmethod
+    def is_available(device: torch.device | str | None = None) -> bool:
+        """Compiled kernels need CUDA; the interpreter (TRITON_INTERPRET=1) runs on CPU."""
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        device = torch.device(device) if device is not None else None
+        if triton_interpreting():
+            return device is None or device.type == "cpu"
+        return torch.cuda.is_available() and (device is None or device.type == "cuda")
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self, q, k, v, k_cache, v_cache, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:  # [T, H, D]
+        self._write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        return self._paged_attention(
+            q, k_cache, v_cache, md, scale,
+            max_splits=self.max_splits, min_chunk=self.min_split_len,
+        )
+
+    def draft_forward(
+        self, q, k, v, k_cache, v_cache, ctx_lens, block_tables, max_ctx_len, scale
+    ) -> torch.Tensor:  # [R, G, H, D]
+        return self._draft_attention(
+            q, k, v, k_cache, v_cache, ctx_lens, block_tables, max_ctx_len, scale,
+            max_splits=self.max_splits, min_chunk=self.min_split_len,
+        )

@@ -1,0 +1,119 @@
+"""Validated engine and speculative-decoding configuration (vLLM spelling of the keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_POLICIES = ("lagged", "early_stop", "threshold", "fixed")
+
+
+@dataclass
+class SpeculativeConfig:
+    model: str
+    method: str = "dspark"
+    num_speculative_tokens: int = 7
+    draft_sample_method: str = "probabilistic"  # "greedy" | "probabilistic"
+    rejection_sample_method: str = "standard"  # "standard" | "block"
+    enable_adaptive_verification: bool = False
+    adaptive_policy: str | None = None  # "lagged" | "early_stop" | "threshold" | "fixed"
+    cost_table_path: str | None = None
+    min_predicted_gain: float = 0.04
+    confidence_source: str = "auto"  # "auto" | "head" | "online"
+    confidence_calibration_path: str | None = None
+    confidence_threshold: float = 0.5
+    snap_budget_to_graphs: bool = False
+
+    def __post_init__(self):
+        if self.method not in ("dspark", "dflash"):
+            raise ValueError(f"speculative_config.method must be 'dspark', got {self.method!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model must be the path of a drafter checkpoint")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be >= 1, got {k!r}")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.rejection_sample_method not in ("standard", "block"):
+            raise ValueError(
+                "speculative_config.rejection_sample_method must be 'standard' or 'block', "
+                f"got {self.rejection_sample_method!r}"
+            )
+        if self.adaptive_policy is None:
+            self.adaptive_policy = "lagged" if self.enable_adaptive_verification else "fixed"
+        if self.adaptive_policy not in _POLICIES:
+            raise ValueError(
+                f"speculative_config.adaptive_policy must be one of {_POLICIES}, "
+                f"got {self.adaptive_policy!r}"
+            )
+        if self.confidence_source not in ("auto", "head", "online"):
+            raise ValueError(
+                "speculative_config.confidence_source must be 'auto', 'head' or 'online', "
+                f"got {self.confidence_source!r}"
+            )
+        if not 0.0 <= float(self.min_predicted_gain) < 10:
+            raise ValueError("speculative_config.min_predicted_gain must be in [0, 10)")
+        if not 0.0 <= float(self.confidence_threshold) <= 1.0:
+            raise ValueError("speculative_config.confidence_threshold must be in [0, 1]")
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.adaptive_policy != "fixed"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a dict")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}")
+        if "model" not in d:
+            raise ValueError("speculative_config.model (the drafter checkpoint path) is required")
+        return cls(**d)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # override the computed cache size
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_gb: float = 0.25
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

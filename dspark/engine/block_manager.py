@@ -1,0 +1,156 @@
+"""Paged KV-cache block manager: reference counts, prefix caching, integrity checks.
+
+Blocks are fixed-size groups of `block_size` token slots in one preallocated cache. Block 0
+is the sentinel: never handed out, padding tokens write into it.
+
+Prefix caching: a full block is identified by a chained hash of (previous block's hash, its
+token ids, the request's cache_salt). Blocks whose reference count drops to zero stay cached
+(evictable, least recently freed first) until their slot is needed. Only blocks whose every
+token is committed *and* computed are registered, so a block holding rolled-back draft
+positions is never shared.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from dspark.engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks (block 0 is the sentinel)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict(
+            (b, None) for b in range(1, num_blocks)
+        )
+        self.hash_to_block: dict[int, int] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[int]] = {}  # hashes of a request's registered blocks
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def blocks_needed(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def _chain_hash(self, parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+        return hash((parent, tokens, salt if parent is None else None))
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Blocks holding a cached prefix of req (no references taken). At least one token is
+        always left to compute, so the last prompt token's logits can be produced."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            h = self._chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        self.num_prefix_queries += req.num_tokens
+        self.num_prefix_hits += len(hits) * bs
+        return hits
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate(self, req: Request, num_slots: int, cached_blocks: list[int] | None = None) -> bool:
+        """Make req's block table cover `num_slots` token slots. On the first call
+        `cached_blocks` (from find_cached_prefix) are shared. Returns False, changing nothing,
+        when there are not enough free blocks."""
+        table = self.block_tables.get(req.request_id)
+        cached = cached_blocks or []
+        have = len(table) if table is not None else len(cached)
+        need = self.blocks_needed(num_slots) - have
+        # cached blocks currently in the free list are taken out of it, so count them
+        reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0) if table is None else 0
+        if need > self.num_free_blocks - reclaimed:
+            return False
+        if table is None:
+            table = []
+            for b in cached:
+                if self.ref_counts[b] == 0:
+                    del self.free_blocks[b]
+                self.ref_counts[b] += 1
+                table.append(b)
+            self.block_tables[req.request_id] = table
+            self.block_hashes[req.request_id] = [self.block_hash[b] for b in cached]
+        for _ in range(max(0, need)):
+            block, _ = self.free_blocks.popitem(last=False)
+            old = self.block_hash[block]
+            if old is not None:  # evict a cached block
+                if self.hash_to_block.get(old) == block:
+                    del self.hash_to_block[old]
+                self.block_hash[block] = None
+            self.ref_counts[block] = 1
+            table.append(block)
+        return True
+
+    def free(self, req: Request) -> None:
+        table = self.block_tables.pop(req.request_id, None)
+        self.block_hashes.pop(req.request_id, None)
+        if table is None:
+            return
+        for block in reversed(table):  # tail blocks become the first to be evicted
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register req's blocks that are full of committed, computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(req.request_id)
+        if table is None:
+            return
+        hashes = self.block_hashes[req.request_id]
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            h = self._chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+            block = table[i]
+            hashes.append(h)
+            if self.block_hash[block] is None and h not in self.hash_to_block:
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+            parent = h
+
+    def block_table(self, req: Request) -> list[int]:
+        return self.block_tables.get(req.request_id, [])
+
+    # -- invariants --------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any bookkeeping invariant is broken."""
+        counts = [0] * self.num_blocks
+        for rid, table in self.block_tables.items():
+            assert len(set(table)) == len(table), f"request {rid} holds a block twice"
+            for b in table:
+                assert 0 < b < self.num_blocks, f"request {rid} holds invalid block {b}"
+                counts[b] += 1
+        assert counts == self.ref_counts, "reference counts do not match the block tables"
+        assert 0 not in self.free_blocks and self.ref_counts[0] == 0, "sentinel block in use"
+        for b in range(1, self.num_blocks):
+            in_free = b in self.free_blocks
+            assert in_free == (self.ref_counts[b] == 0), f"block {b} free-list state is wrong"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash map entry of block {b} is stale"
+        for rid, hashes in self.block_hashes.items():
+            assert len(hashes) <= len(self.block_tables[rid]), f"request {rid} hash overflow"

@@ -1,0 +1,210 @@
+"""Build the one GPU-side input struct of a step from the scheduler's rows.
+
+The CPU lays the step out with every draft slot present (an upper bound: row r gets its
+non-draft tokens followed by `capacity_r` draft slots) and ships it in one host->device copy.
+Draft token ids are filled in on the device from the per-request draft buffer. When adaptive
+verification keeps only `l_r <= capacity_r` drafts of a row, `compact()` rebuilds the ragged
+stream on the device (query_start_loc, positions, slots, token->request map) without any host
+sync; the CPU keeps only upper bounds (or the exact total when the budget was planned on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata, compute_token_to_req
+from dspark.engine.scheduler import ScheduledRow
+
+
+@dataclass
+class StepInputs:
+    # token stream [T]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    # per row [R] (R = scheduled rows)
+    query_start_loc: torch.Tensor  # [R+1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    samples: torch.Tensor  # [R] bool: row ends in a sampled/verified token
+    capacities: torch.Tensor  # [R] int64 draft slots laid out for the row
+    num_non_draft: torch.Tensor  # [R] int64
+    start_pos: torch.Tensor  # [R] int64 position of the row's first new token
+    slots: torch.Tensor  # [R] int64 row in the persistent per-request buffers
+    seeds: torch.Tensor  # [R] int64
+    rounds: torch.Tensor  # [R] int64
+    temperature: torch.Tensor  # [R] float32
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    # CPU-side facts
+    num_reqs: int
+    num_tokens: int  # T of the forward (exact or an upper bound with padding at the end)
+    max_query_len: int
+    max_seq_len: int
+    num_samples: int  # rows that sample
+    all_greedy: bool
+    max_capacity: int
+    max_num_logits: int  # logits rows if every draft slot is verified
+    # set by finalize()
+    token_to_req: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # [R] int64 verified drafts per row
+    cu_num_logits: torch.Tensor | None = None  # [R+1]
+    logits_indices: torch.Tensor | None = None  # [N]
+    num_logits: int = 0  # N (exact or upper bound)
+
+    @property
+    def anchor_pos(self) -> torch.Tensor:
+        """Position of each row's anchor (its last non-draft token)."""
+        return self.start_pos + self.num_non_draft - 1
+
+    def attn_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            positions=self.positions,
+            token_to_req=self.token_to_req,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            num_reqs=self.num_reqs,
+        )
+
+
+def build_step_inputs(
+    rows: list[ScheduledRow],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    draft_tokens: torch.Tensor | None,  # [S, K] persistent draft buffer on the device
+) -> StepInputs:
+    num_reqs = len(rows)
+    num_new = np.array([r.num_new_tokens for r in rows], dtype=np.int64)
+    caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
+    start = np.array([r.req.num_computed_tokens for r in rows], dtype=np.int64)
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_new, out=qsl[1:])
+    total = int(qsl[-1])
+    # token stream: non-draft tokens come from the request; draft slots are placeholders
+    input_ids = np.zeros(total, dtype=np.int64)
+    for i, r in enumerate(rows):
+        nd = r.num_new_tokens - r.num_draft_slots
+        s = r.req.num_computed_tokens
+        input_ids[qsl[i] : qsl[i] + nd] = r.req.token_ids[s : s + nd]
+    row_of_token = np.repeat(np.arange(num_reqs), num_new)
+    positions = np.arange(total, dtype=np.int64) - qsl[row_of_token] + start[row_of_token]
+    max_blocks = max(1, max(len(t) for t in block_tables))
+    bt = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        bt[i, : len(t)] = t
+    slot_mapping = bt[row_of_token, positions // block_size] * block_size + positions % block_size
+    params = [r.req.params for r in rows]
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([p.top_k for p in params], dtype=np.int64)
+    top_p = np.array([p.top_p for p in params], dtype=np.float32)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    samples = np.array([r.samples for r in rows], dtype=np.int64)
+    ints = [
+        input_ids, positions, slot_mapping, qsl, start + num_new, bt.reshape(-1), samples, caps,
+        num_new - caps, start, np.array([r.req.slot for r in rows], dtype=np.int64),
+        np.array([r.req.seed for r in rows], dtype=np.int64),
+        np.array([r.req.round for r in rows], dtype=np.int64), top_k,
+    ]  # fmt: skip
+    sizes = [a.size for a in ints]
+    packed = torch.from_numpy(np.concatenate(ints))
+    floats = torch.from_numpy(np.stack([temperature, top_p, min_p]))
+    if device.type == "cuda":
+        packed, floats = packed.pin_memory(), floats.pin_memory()
+    packed = packed.to(device, non_blocking=True)  # the one host->device copy of the step
+    floats = floats.to(device, non_blocking=True)
+    (ids, pos, slots_map, qsl_t, seq_lens, bt_t, samples_t, caps_t, nd_t, start_t, slot_t,
+     seeds_t, rounds_t, top_k_t) = packed.split(sizes)  # fmt: skip
+    if draft_tokens is not None and caps.any():
+        # fill draft slots [anchor, d_1..d_c] from the device-side draft buffer
+        dst = np.concatenate(
+            [qsl[i] + num_new[i] - caps[i] + np.arange(caps[i]) for i in range(num_reqs)]
+        )
+        src_row = np.repeat(np.array([r.req.slot for r in rows], dtype=np.int64), caps)
+        src_k = np.concatenate([np.arange(c) for c in caps])
+        idx = torch.from_numpy(np.stack([dst, src_row, src_k])).to(device, non_blocking=True)
+        ids = ids.clone()
+        ids[idx[0]] = draft_tokens[idx[1], idx[2]]
+    any_k, any_p, any_min = bool((top_k > 0).any()), bool((top_p < 1).any()), bool(min_p.any())
+    return StepInputs(
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slots_map,
+        query_start_loc=qsl_t.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        block_tables=bt_t.view(num_reqs, max_blocks).to(torch.int32),
+        samples=samples_t.bool(),
+        capacities=caps_t,
+        num_non_draft=nd_t,
+        start_pos=start_t,
+        slots=slot_t,
+        seeds=seeds_t,
+        rounds=rounds_t,
+        temperature=floats[0],
+        top_k=top_k_t if any_k else None,
+        top_p=floats[1] if any_p else None,
+        min_p=floats[2] if any_min else None,
+        num_reqs=num_reqs,
+        num_tokens=total,
+        max_query_len=int(num_new.max()) if num_reqs else 0,
+        max_seq_len=int((start + num_new).max()) if num_reqs else 0,
+        num_samples=int(samples.sum()),
+        all_greedy=bool((temperature <= 1e-5).all()),
+        max_capacity=int(caps.max()) if num_reqs else 0,
+        max_num_logits=int((samples * (1 + caps)).sum()),
+    )
+
+
+def finalize(
+    inp: StepInputs, lengths: torch.Tensor | None, num_tokens: int | None, num_logits: int | None
+) -> None:
+    """Fix the verified drafts per row and derive the ragged stream and logits rows.
+
+    lengths None: every draft slot is verified (no compaction). Otherwise the stream is
+    compacted on the device to `num_tokens` tokens (exact, or an upper bound: the tail is
+    padding that writes to the sentinel slot) and `num_logits` logits rows.
+    """
+    device = inp.input_ids.device
+    if lengths is None:
+        inp.lengths = inp.capacities
+        inp.token_to_req = compute_token_to_req(inp.query_start_loc, inp.num_tokens)
+        n_logits = inp.samples.long() * (1 + inp.capacities)
+    else:
+        inp.lengths = lengths
+        q_len = inp.num_non_draft + lengths
+        qsl = torch.zeros(inp.num_reqs + 1, dtype=torch.int64, device=device)
+        qsl[1:] = q_len.cumsum(0)
+        t = num_tokens if num_tokens is not None else inp.num_tokens
+        token_to_req = compute_token_to_req(qsl, t)
+        valid = token_to_req < inp.num_reqs
+        r = token_to_req.long().clamp(max=inp.num_reqs - 1)
+        src = inp.query_start_loc.long()[r] + (torch.arange(t, device=device) - qsl[r])
+        src = torch.where(valid, src, torch.zeros_like(src))
+        inp.input_ids = torch.where(valid, inp.input_ids[src], 0)
+        inp.positions = torch.where(valid, inp.positions[src], 0)
+        inp.slot_mapping = torch.where(valid, inp.slot_mapping[src], SENTINEL_SLOT)
+        inp.query_start_loc = qsl.to(torch.int32)
+        inp.seq_lens = (inp.start_pos + q_len).to(torch.int32)
+        inp.token_to_req = token_to_req
+        inp.num_tokens = t
+        n_logits = inp.samples.long() * (1 + lengths)
+    cu = torch.zeros(inp.num_reqs + 1, dtype=torch.int64, device=device)
+    cu[1:] = n_logits.cumsum(0)
+    inp.cu_num_logits = cu
+    if num_logits is None:
+        num_logits = inp.max_num_logits  # every draft slot of every sampling row
+    inp.num_logits = num_logits
+    tl = torch.arange(num_logits, device=device)
+    r = (torch.searchsorted(cu, tl, right=True) - 1).clamp(max=inp.num_reqs - 1)
+    local = tl - cu[r]
+    qsl_end = inp.query_start_loc.long()[r + 1]
+    idx = qsl_end - n_logits[r] + local
+    inp.logits_indices = torch.where(tl < cu[-1], idx, torch.zeros_like(idx))

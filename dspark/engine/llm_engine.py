@@ -1,0 +1,275 @@
+"""LLMEngine: requests in, tokens out, one step at a time.
+
+    step():  schedule -> plan -> runner.execute (allocate, forward, verify, draft) -> commit
+
+The engine owns the CPU side (tokenizer, scheduler, block manager, request state) and the
+model runner owns the device side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.model_runner import ModelRunner, StepResult
+from dspark.engine.request import Request, RequestStatus, SpecStats
+from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from dspark.models.config import ModelConfig, parse_dtype
+from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.sampling.rng import hash_keys
+from dspark.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def load_tokenizer(path: str):
+    import os
+
+    if not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.device = resolve_device(config.device)
+        if config.dtype == "auto":
+            self.dtype = self.model_config.dtype if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = parse_dtype(config.dtype)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer is not None:
+            if self.tokenizer.eos_token_id is not None:
+                self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.runner = ModelRunner(config, self.model_config, self.device, self.dtype)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(max_len, (self.runner.num_blocks - 1) * config.block_size)
+        spec = config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            num_lookahead_slots=self.num_spec_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self._counter = itertools.count()
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.spec_stats = SpecStats()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
+        if bad or any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens, which does not fit max_model_len={self.max_model_len}"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt ({n} tokens) exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        counter = next(self._counter)
+        seed = params.seed
+        if seed is None:
+            seed = int(hash_keys(torch.tensor(self.config.seed), torch.tensor(counter)))
+        req = Request(
+            request_id, token_ids, params, self.eos_token_ids, seed, text, cache_salt,
+            arrival_time,
+        )  # fmt: skip
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a token id list or a dict, got {prompt!r}")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self.scheduler.abort(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._release_slot(req)
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
+        for req in sched.preempted:
+            self._release_slot(req)
+        if sched.is_empty:
+            return []
+        for row in sched.rows:
+            if row.req.slot < 0:
+                row.req.slot = self._free_slots.pop()
+        plan = self.runner.spec.plan(sched.rows) if self.runner.spec is not None else None
+        tables = [self.block_manager.block_table(r.req) for r in sched.rows]
+        result = self.runner.execute(sched, tables, plan)
+        self.stats["steps"] += 1
+        return self._commit(sched, result)
+
+    def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        now = time.time()
+        for row, emitted, verified, drafted in zip(
+            sched.rows, result.emitted, result.verified, result.drafted
+        ):
+            req = row.req
+            if not row.samples:
+                req.num_computed_tokens += row.num_new_tokens
+                self.block_manager.cache_full_blocks(req)
+                continue
+            accepted = len(emitted) - 1
+            req.num_computed_tokens += row.num_non_draft_tokens + accepted
+            req.round += 1
+            if req.num_output_tokens == 0:
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            if drafted > 0:
+                req.spec.record(drafted, verified, accepted)
+                self.spec_stats.record(drafted, verified, accepted)
+            new_tokens = []
+            for tok in emitted:
+                req.token_ids.append(tok)
+                new_tokens.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if self._check_stop(req, tok):
+                    break
+            self.stats["generation_tokens"] += len(new_tokens)
+            if req.is_finished:
+                self.scheduler.running.remove(req)
+                self.block_manager.free(req)
+                self._release_slot(req)
+            else:
+                req.has_drafts = self.runner.spec is not None
+                self.block_manager.cache_full_blocks(req)
+            outputs.append(self._make_output(req, new_tokens))
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        params = req.params
+        if tok in req.eos_token_ids:
+            req.stop_reason = None
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif tok in req.stop_token_ids:
+            req.stop_reason = tok
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif params.stop_strings and self._hit_stop_string(req):
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+        return req.is_finished
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.decode(req.output_token_ids)
+        for stop in req.params.stop_strings:
+            i = text.find(stop)
+            if i >= 0:
+                keep = i + len(stop) if req.params.include_stop_str_in_output else i
+                req.output_text = text[:keep]
+                req.stop_reason = stop
+                return True
+        return False
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.time()
+        req.has_drafts = False
+
+    def _release_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        if not (req.is_finished and isinstance(req.stop_reason, str)):
+            req.output_text = self.decode(req.output_token_ids)
+        finish = req.status.value if req.is_finished else None
+        spec = req.spec.as_dict() if self.runner.spec is not None else None
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(0, req.output_text, req.output_token_ids, finish, req.stop_reason)
+            ],
+            finished=req.is_finished,
+            metrics=RequestMetrics(
+                req.arrival_time, req.first_token_time, req.finished_time,
+                req.num_prompt_tokens, req.num_cached_tokens, req.num_preemptions,
+            ),  # fmt: skip
+            spec_decode=spec,
+            new_token_ids=new_tokens,
+        )
+
+    def abort_output(self, req: Request) -> RequestOutput:
+        return self._make_output(req, [])

@@ -1,0 +1,178 @@
+"""The model runner owns every device tensor: weights, KV cache, step inputs, sampling.
+
+One step: build the inputs (one host->device copy), let the speculative decoder pick verify
+lengths, run the target over the ragged stream, sample or verify, start the one
+device->host copy of the emitted tokens, launch the drafter for the next step, then wait for
+the copy. The drafter's work overlaps the host's bookkeeping of this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.attention.base import AttentionBackend
+from dspark.config import EngineConfig
+from dspark.engine.input_batch import StepInputs, build_step_inputs, finalize
+from dspark.engine.scheduler import SchedulerOutput
+from dspark.forward_context import ForwardContext, forward_context
+from dspark.layers.rotary import rope_inv_freq
+from dspark.models.config import ModelConfig
+from dspark.models.loader import load_weights
+from dspark.models.registry import resolve_model_class
+from dspark.sampling.sampler import sample_tokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    emitted: list[list[int]]  # per scheduled row: tokens to commit (empty for non-sampling rows)
+    verified: list[int]  # per row: drafts sent to the target
+    drafted: list[int]  # per row: drafts that were available (capacity)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from dspark.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from dspark.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def load_target(model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: torch.device):
+    cls = resolve_model_class(model_cfg.architectures)
+    with torch.device("meta"):
+        model = cls(model_cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # non-persistent buffer: recompute it (in float32) after the meta-device construction
+    model.rotary.inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope).to(device)
+    if model_cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(
+        model,
+        path,
+        cls.checkpoint_name_to_param,
+        cls.packed_modules,
+        model.shard_sizes,
+    )
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_cfg: ModelConfig, device: torch.device, dtype
+    ):
+        self.config = config
+        self.model_cfg = model_cfg
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.model = load_target(model_cfg, config.model, dtype, device)
+        self.backend = select_backend(config.attention_backend, device)
+        self.spec = None
+        if config.speculative_config is not None:
+            from dspark.spec.decoder import SpecDecoder
+
+            self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype, self.backend)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (model_cfg.num_hidden_layers, self.num_blocks, self.block_size)
+        kv_shape = (*shape, model_cfg.num_key_value_heads, model_cfg.head_dim)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(shape[0])]
+        if self.spec is not None:
+            self.spec.allocate_cache(self.num_blocks, self.block_size)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%s, %s backend)",
+            self.num_blocks, self.block_size, device, self.backend.name,
+        )  # fmt: skip
+
+    # -- memory ---------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        c = self.model_cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+        per *= elem
+        if self.spec is not None:
+            per += self.spec.cache_bytes_per_block(self.block_size)
+        return per
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self._bytes_per_block()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            c = self.model_cfg
+            tokens = self.config.max_num_batched_tokens
+            act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
+            act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
+            budget = free - (1 - self.config.gpu_memory_utilization) * total - act
+        else:
+            budget = self.config.cpu_kv_cache_gb * (1 << 30)
+        num = int(budget // per_block)
+        if num < 2:
+            raise RuntimeError("not enough memory for the KV cache; lower max_num_batched_tokens")
+        return num
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]], plan) -> StepResult:
+        rows = sched.rows
+        draft_buf = self.spec.draft_tokens if self.spec is not None else None
+        inp = build_step_inputs(rows, block_tables, self.block_size, self.device, draft_buf)
+        if self.spec is not None:
+            self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
+        else:
+            finalize(inp, None, None, None)
+        aux_ids = self.spec.aux_layer_ids if self.spec is not None else ()
+        ctx = ForwardContext(inp.attn_metadata(), self.backend, self.kv_caches)
+        with forward_context(ctx):
+            hidden, aux = self.model(inp.input_ids, inp.positions, aux_ids)
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        if self.spec is not None:
+            out, num_out = self.spec.verify(logits, inp)
+        else:
+            out, num_out = self._sample(logits, inp)
+        packed = torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+        host = packed.to("cpu", non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if self.spec is not None:
+            self.spec.propose(inp, aux, out, num_out)  # overlaps the host's commit work
+        if done is not None:
+            done.synchronize()
+        return self._unpack(host.numpy(), inp, out.shape[1], rows)
+
+    def _sample(self, logits: torch.Tensor, inp: StepInputs):
+        n = inp.num_logits
+        row = torch.searchsorted(inp.cu_num_logits, torch.arange(n, device=self.device), right=True)
+        row = (row - 1).clamp(max=inp.num_reqs - 1)
+        next_pos = inp.anchor_pos[row] + 1
+        tokens = sample_tokens(
+            logits, row, next_pos, inp.temperature, inp.top_k, inp.top_p, inp.min_p,
+            inp.seeds, inp.rounds, inp.all_greedy,
+        )  # fmt: skip
+        out = torch.full((inp.num_reqs, 1), -1, dtype=torch.int64, device=self.device)
+        out[row, 0] = tokens
+        return out, inp.samples.long()
+
+    @staticmethod
+    def _unpack(host: np.ndarray, inp: StepInputs, width: int, rows) -> StepResult:
+        r = inp.num_reqs
+        out = host[: r * width].reshape(r, width)
+        num_out = host[r * width : r * width + r]
+        lengths = host[r * width + r :]
+        emitted = [out[i, : num_out[i]].tolist() for i in range(r)]
+        drafted = [row.num_draft_slots for row in rows]
+        return StepResult(emitted, lengths.tolist(), drafted)

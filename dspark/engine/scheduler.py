@@ -1,0 +1,128 @@
+"""Continuous-batching scheduler (FCFS, chunked prefill, preemption by recompute).
+
+Phase-less: each request asks for `num_tokens + pending draft slots - num_computed_tokens`
+tokens; prefill chunks, decodes and verify blocks are the same thing. Running requests are
+served first, in arrival order; when KV blocks run out the most recently arrived running
+request is preempted (its blocks freed, its counters reset, its tokens recomputed later).
+Waiting requests are admitted in order while token budget, sequence slots and blocks allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.engine.block_manager import BlockManager
+from dspark.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRow:
+    req: Request
+    num_new_tokens: int  # tokens to compute (upper bound: includes all pending draft slots)
+    num_draft_slots: int  # draft slots among them (verify capacity; 0 = plain decode/prefill)
+    samples: bool  # the row produces a token at the end (its sequence is fully computed)
+
+    @property
+    def num_non_draft_tokens(self) -> int:
+        return self.num_new_tokens - self.num_draft_slots
+
+
+@dataclass
+class SchedulerOutput:
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_lookahead_slots: int = 0,
+    ):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_slots = num_lookahead_slots  # K draft slots per decoding request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _num_wanted(self, req: Request) -> tuple[int, int]:
+        drafts = self.num_lookahead_slots if req.has_drafts else 0
+        return req.num_tokens + drafts - req.num_computed_tokens, drafts
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.has_drafts = False
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            wanted, drafts = self._num_wanted(req)
+            num_new = min(wanted, budget)
+            drafts = max(0, drafts - (wanted - num_new))  # fewer draft slots if over budget
+            while not self.bm.allocate(req, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # req preempted itself; self.running shrank, do not advance i
+            samples = req.num_computed_tokens + num_new >= req.num_tokens
+            out.rows.append(ScheduledRow(req, num_new, drafts, samples))
+            scheduled.add(req.request_id)
+            budget -= num_new
+            i += 1
+        # Rows of requests preempted after being scheduled this step must be dropped.
+        out.rows = [r for r in out.rows if r.req.status is RequestStatus.RUNNING]
+        if out.preempted:
+            return out  # no admissions while memory is short
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.bm.find_cached_prefix(req)
+            num_cached = len(cached) * self.bm.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.bm.allocate(req, num_cached + num_new, cached):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            samples = num_cached + num_new >= req.num_tokens
+            out.rows.append(ScheduledRow(req, num_new, 0, samples))
+            budget -= num_new
+        return out

@@ -1,0 +1,60 @@
+"""Rotary position embeddings (rotate-half layout), incl. Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    theta = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_ctx = float(rope["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rope: dict):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D], k [T, Hkv, D], positions [T] (any leading shape matching q[..., 0, 0])
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def apply_one(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions, x.dtype)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return x * cos + _rotate_half(x) * sin

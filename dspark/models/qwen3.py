@@ -1,0 +1,143 @@
+"""Qwen3 and Llama decoder models (one implementation; the differences are config flags).
+
+Qwen3: per-head q/k RMSNorm, optional attention bias. Llama 2/3: no q/k norm, optional
+`llama3` RoPE scaling. Both: RMSNorm, RoPE, GQA, SwiGLU, tied or untied embeddings, and a
+head_dim that may differ from hidden_size / num_heads.
+
+The forward pass runs on a flat ragged token stream [T]; attention metadata comes from the
+forward context. It can also return the residual stream after chosen decoder layers (the
+DSpark drafter's context features, HF `hidden_states[l + 1]`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.forward_context import get_forward_context
+from dspark.layers.norm import RMSNorm
+from dspark.layers.rotary import RotaryEmbedding
+from dspark.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding):
+        ctx = get_forward_context()
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, rotary):
+        hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class CausalLM(nn.Module):
+    """Qwen3ForCausalLM / LlamaForCausalLM."""
+
+    # checkpoint tensor name fragment -> (our parameter fragment, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def shard_sizes(self, param_name: str) -> list[int] | None:
+        if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        if param_name.endswith("gate_up_proj.weight") or param_name.endswith("gate_up_proj.bias"):
+            return [self.config.intermediate_size] * 2
+        return None
+
+    @staticmethod
+    def checkpoint_name_to_param(name: str) -> str:
+        # HF: model.layers.0.self_attn.q_proj.weight -> layers.0.self_attn.q_proj.weight
+        return name[len("model.") :] if name.startswith("model.") else name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states [T, d] and, if aux_layer_ids is given, the
+        concatenated outputs of those decoder layers [T, len(aux_layer_ids) * d]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        aux: list[torch.Tensor] = []
+        wanted = set(aux_layer_ids)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, self.rotary)
+            if i in wanted:
+                aux.append((i, hidden + residual))
+        hidden, _ = self.norm.add_forward(hidden, residual)
+        if not aux_layer_ids:
+            return hidden, None
+        by_layer = dict(aux)
+        return hidden, torch.cat([by_layer[i] for i in aux_layer_ids], dim=-1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,33 @@
+"""Plain (non-speculative) token sampling, vectorized and sync-free."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.sampling import rng
+from dspark.sampling.processors import processed_probs, sample_from_probs
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [N, V]
+    row: torch.Tensor,  # [N] int64: the step row owning each logits row
+    next_pos: torch.Tensor,  # [N] int64: position of the token being sampled
+    temperature: torch.Tensor,  # [R]
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    seeds: torch.Tensor,  # [R]
+    rounds: torch.Tensor,  # [R]
+    all_greedy: bool,
+) -> torch.Tensor:  # [N] int64
+    if all_greedy:
+        return logits.argmax(dim=-1)
+    probs = processed_probs(
+        logits,
+        temperature[row],
+        None if top_k is None else top_k[row],
+        None if top_p is None else top_p[row],
+        None if min_p is None else min_p[row],
+    )
+    u = rng.uniform(seeds[row], next_pos, rounds[row], rng.SAMPLE)
+    return sample_from_probs(probs, u)

@@ -1,0 +1,335 @@
+"""Step-time cost model for adaptive verification.
+
+    step_time_ms(num_tokens, num_reqs) = fixed_overhead_ms          (scheduler, sampler, launch)
+                                       + draft_cost(num_reqs)       (drafter: not trimmable)
+                                       + verify_cost(num_tokens)    (target forward)
+
+`num_tokens` is the total token count of the target forward (anchors + verified drafts +
+prefill tokens); `num_reqs` the number of decoding requests. Both costs are tables of measured
+points (medians), interpolated piecewise-linearly, held flat below the first point, and
+extrapolated linearly past the last one. Tables are made monotone non-decreasing (running max)
+when built: timing noise and tile-size dips must never make more tokens look cheaper.
+
+With `graph_sizes` (captured CUDA-graph token buckets) the verify cost inside the captured range
+is a staircase: a token count pays for the bucket it rounds up to (a 121-token batch replays the
+128 graph). Past the largest bucket the step runs eagerly and the measured points apply.
+
+The planner maximises a *ratio* (expected tokens / step time), so the non-trimmable terms
+matter: leaving them out makes every draft token look expensive and over-trims. A flat table
+(more tokens cost nothing) silently disables trimming; `describe_problem()` says so, and callers
+must surface it loudly.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+_MIN_STEP_MS = 1e-6
+
+
+def _monotone_table(xs: Sequence[float], ys: Sequence[float], what: str):
+    x = np.asarray(xs, dtype=np.float64).reshape(-1)
+    y = np.asarray(ys, dtype=np.float64).reshape(-1)
+    if x.shape != y.shape:
+        raise ValueError(f"{what}: {x.size} points but {y.size} times")
+    if x.size and (not np.all(np.isfinite(x)) or not np.all(np.isfinite(y))):
+        raise ValueError(f"{what}: non-finite values")
+    if x.size and (x.min() < 0 or y.min() < 0):
+        raise ValueError(f"{what}: negative token/request count or time")
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    # Duplicate x (repeated measurements of one shape): keep the largest time.
+    ux, inv = np.unique(x, return_inverse=True)
+    uy = np.full(ux.shape, -np.inf)
+    np.maximum.at(uy, inv, y)
+    return ux, np.maximum.accumulate(uy) if uy.size else uy
+
+
+def _interp(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """Piecewise-linear; flat below xp[0]; linear extrapolation (last slope) past xp[-1]."""
+    if xp.size == 0:
+        return np.zeros_like(x, dtype=np.float64)
+    y = np.interp(x, xp, fp)
+    if xp.size >= 2:
+        slope = (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+        y = np.where(x > xp[-1], fp[-1] + slope * (x - xp[-1]), y)
+    return y
+
+
+@dataclass
+class CostModel:
+    """Monotone step-time model; see the module docstring. Times in milliseconds."""
+
+    verify_tokens: np.ndarray  # [P] int-valued token counts, increasing
+    verify_ms: np.ndarray  # [P] target-forward time at those counts
+    draft_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [Q] request counts
+    draft_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [Q] drafter time
+    fixed_overhead_ms: float = 0.0
+    graph_sizes: tuple[int, ...] | None = None  # captured token buckets (sorted)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.verify_tokens, self.verify_ms = _monotone_table(
+            self.verify_tokens, self.verify_ms, "verify table")
+        self.draft_reqs, self.draft_ms = _monotone_table(
+            self.draft_reqs, self.draft_ms, "draft table")
+        self.fixed_overhead_ms = float(self.fixed_overhead_ms)
+        if not np.isfinite(self.fixed_overhead_ms) or self.fixed_overhead_ms < 0:
+            raise ValueError("fixed_overhead_ms must be finite and >= 0")
+        if self.graph_sizes is not None:
+            sizes = sorted({int(g) for g in self.graph_sizes})
+            if not sizes or sizes[0] < 1:
+                raise ValueError("graph_sizes must be positive token counts")
+            self.graph_sizes = tuple(sizes)
+        self.provenance = dict(self.provenance or {})
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_measurements(
+        cls,
+        token_counts: Sequence[int],
+        times_ms: Sequence[float],
+        draft_reqs: Sequence[int] | None = None,
+        draft_times_ms: Sequence[float] | None = None,
+        fixed_ms: float = 0.0,
+        provenance: dict[str, Any] | None = None,
+        graph_sizes: Sequence[int] | None = None,
+    ) -> CostModel:
+        """Build from profiled medians (verify times per token count, draft times per R)."""
+        return cls(
+            verify_tokens=np.asarray(token_counts),
+            verify_ms=np.asarray(times_ms),
+            draft_reqs=np.asarray(draft_reqs if draft_reqs is not None else []),
+            draft_ms=np.asarray(draft_times_ms if draft_times_ms is not None else []),
+            fixed_overhead_ms=fixed_ms,
+            graph_sizes=tuple(graph_sizes) if graph_sizes is not None else None,
+            provenance=provenance or {},
+        )
+
+    @classmethod
+    def analytic(
+        cls,
+        weight_read_ms: float = 4.0,
+        ms_per_token: float = 0.01,
+        fixed_overhead_ms: float = 1.0,
+        draft_base_ms: float = 0.5,
+        draft_ms_per_req: float = 0.005,
+        max_tokens: int = 8192,
+        max_reqs: int = 512,
+        graph_sizes: Sequence[int] | None = None,
+    ) -> CostModel:
+        """Roofline-like model for tests and CPU runs.
+
+        verify(n) = max(weight_read_ms, n * ms_per_token): memory-bound (weights read once per
+        step) until the compute term takes over; draft(R) = draft_base_ms + R * draft_ms_per_req.
+        """
+        knee = weight_read_ms / ms_per_token if ms_per_token > 0 else float(max_tokens)
+        grid = np.geomspace(1, max_tokens, 48)
+        pts = np.unique(np.concatenate([
+            np.rint(grid), [1, max_tokens],
+            np.clip([np.floor(knee), np.ceil(knee)], 1, max_tokens)]).astype(np.int64))
+        verify = np.maximum(weight_read_ms, pts * ms_per_token)
+        reqs = np.array([1, max(2, max_reqs)])
+        return cls(
+            verify_tokens=pts, verify_ms=verify, draft_reqs=reqs,
+            draft_ms=draft_base_ms + reqs * draft_ms_per_req,
+            fixed_overhead_ms=fixed_overhead_ms,
+            graph_sizes=tuple(graph_sizes) if graph_sizes is not None else None,
+            provenance={"source": "analytic", "weight_read_ms": weight_read_ms,
+                        "ms_per_token": ms_per_token},
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    def graph_bucket(self, num_tokens):
+        """Captured bucket each token count rounds up to; -1 where past the captured range."""
+        n = np.asarray(num_tokens)
+        if not self.graph_sizes:
+            return np.full(n.shape, -1, dtype=np.int64)
+        sizes = np.asarray(self.graph_sizes, dtype=np.int64)
+        idx = np.searchsorted(sizes, n, side="left")
+        return np.where(idx < sizes.size, sizes[np.minimum(idx, sizes.size - 1)], -1)
+
+    def verify_cost_ms(self, num_tokens) -> np.ndarray:
+        n = np.asarray(num_tokens, dtype=np.float64)
+        if self.graph_sizes:
+            bucket = self.graph_bucket(np.ceil(n).astype(np.int64))
+            n = np.where(bucket >= 0, bucket, n)
+        return _interp(n, self.verify_tokens, self.verify_ms)
+
+    def draft_cost_ms(self, num_reqs) -> np.ndarray:
+        return _interp(np.asarray(num_reqs, dtype=np.float64), self.draft_reqs, self.draft_ms)
+
+    def step_time_ms(self, num_tokens, num_reqs) -> np.ndarray:
+        """Vectorized over numpy arrays (broadcast); returns float64 ms, always > 0."""
+        t = self.fixed_overhead_ms + self.draft_cost_ms(num_reqs) + self.verify_cost_ms(
+            num_tokens)
+        return np.maximum(t, _MIN_STEP_MS)
+
+    def as_tensor_table(self, max_tokens: int, num_reqs: int, device=None, dtype=None):
+        """Step time per total token count 0..max_tokens for `num_reqs` requests, as a tensor
+        (index = tokens). Used by the device-side early-stop policy."""
+        import torch
+
+        t = self.step_time_ms(np.arange(int(max_tokens) + 1), int(num_reqs))
+        return torch.as_tensor(t, dtype=dtype or torch.float32, device=device)
+
+    # ------------------------------------------------------------------ graph snapping
+    def budget_candidates(self, num_fixed_tokens: int, max_budget: int) -> np.ndarray:
+        """Draft budgets n in [0, max_budget] worth considering with captured graphs: those
+        whose total `num_fixed_tokens + n` fills a bucket exactly, every n past the captured
+        range (eager), and `max_budget` itself (verify-all). Without graphs: all n."""
+        n = np.arange(int(max_budget) + 1)
+        if not self.graph_sizes:
+            return n
+        total = num_fixed_tokens + n
+        keep = np.isin(total, np.asarray(self.graph_sizes)) | (total > self.graph_sizes[-1])
+        keep[-1] = True
+        return n[keep]
+
+    def snap_budget(self, num_fixed_tokens: int, budget: int, max_budget: int) -> int:
+        """Grow `budget` to fill its graph bucket (the padding is paid for anyway)."""
+        budget = int(min(max(budget, 0), max_budget))
+        bucket = int(self.graph_bucket(num_fixed_tokens + budget))
+        if bucket < 0:
+            return budget
+        return int(min(max_budget, bucket - num_fixed_tokens))
+
+    # ------------------------------------------------------------------ diagnostics
+    def is_flat(self, rel_tol: float = 0.05) -> bool:
+        """True when the table says extra tokens cost (almost) nothing: the verify-cost rise
+        over the measured range is below `rel_tol` of the smallest step time."""
+        if self.verify_tokens.size < 2:
+            return True
+        rise = float(self.verify_ms[-1] - self.verify_ms[0])
+        base = float(self.step_time_ms(self.verify_tokens[0], 1))
+        return rise <= rel_tol * base
+
+    def describe_problem(self, rel_tol: float = 0.05) -> str | None:
+        """A human-readable warning when this table cannot drive trimming, else None."""
+        if self.verify_tokens.size == 0:
+            return ("cost model has no verify measurements: adaptive verification cannot "
+                    "trim and will verify every draft token")
+        if self.verify_tokens.size < 2:
+            return ("cost model has a single verify point: every token count costs the same, "
+                    "so adaptive verification will never trim (profile more token counts)")
+        if self.is_flat(rel_tol):
+            rise = float(self.verify_ms[-1] - self.verify_ms[0])
+            return (f"cost model is flat: verifying {int(self.verify_tokens[-1])} tokens costs "
+                    f"only {rise:.4g} ms more than {int(self.verify_tokens[0])} "
+                    f"(< {rel_tol:.0%} of a step), so adaptive verification will almost never "
+                    "trim; re-profile over a wider token range if this is unexpected")
+        return None
+
+    def provenance_mismatches(self, expected: dict[str, Any]) -> list[str]:
+        """Keys of `expected` whose recorded provenance differs (for loading a saved table)."""
+        return [f"{k}: table has {self.provenance.get(k)!r}, engine has {v!r}"
+                for k, v in expected.items() if k in self.provenance
+                and self.provenance[k] != v]
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "dspark_cost_model",
+            "fixed_overhead_ms": self.fixed_overhead_ms,
+            "verify": {"num_tokens": self.verify_tokens.tolist(),
+                       "ms": self.verify_ms.tolist()},
+            "draft": {"num_reqs": self.draft_reqs.tolist(), "ms": self.draft_ms.tolist()},
+            "graph_sizes": list(self.graph_sizes) if self.graph_sizes else None,
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"unsupported cost model schema_version {version!r} "
+                             f"(expected {SCHEMA_VERSION})")
+        return cls(
+            verify_tokens=np.asarray(d["verify"]["num_tokens"]),
+            verify_ms=np.asarray(d["verify"]["ms"]),
+            draft_reqs=np.asarray(d.get("draft", {}).get("num_reqs", [])),
+            draft_ms=np.asarray(d.get("draft", {}).get("ms", [])),
+            fixed_overhead_ms=d.get("fixed_overhead_ms", 0.0),
+            graph_sizes=tuple(d["graph_sizes"]) if d.get("graph_sizes") else None,
+            provenance=d.get("provenance", {}),
+        )
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Atomic write (temp file + rename)."""
+        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> CostModel:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def make_provenance(
+    model: str | None = None,
+    dtype: str | None = None,
+    device_name: str | None = None,
+    num_speculative_tokens: int | None = None,
+    graph_sizes: Sequence[int] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Provenance record for a profiled table: what it was measured on, with which software."""
+    from importlib import metadata
+
+    def _version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "model": model, "dtype": dtype, "device_name": device_name,
+        "num_speculative_tokens": num_speculative_tokens,
+        "graph_sizes": list(graph_sizes) if graph_sizes is not None else None,
+        "torch": _version("torch"), "triton": _version("triton"),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def median_of_repeats(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+                      sync: bool | None = None) -> float:
+    """Median wall time (ms) of `fn()` on the host clock. With `sync` (default: CUDA is
+    initialised) `torch.cuda.synchronize()` brackets every call so queued kernels count."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if sync:
+        import torch
+
+        barrier = torch.cuda.synchronize
+    else:
+        barrier = lambda: None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))

@@ -1,0 +1,122 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.spec.cost_model import CostModel, make_provenance, median_of_repeats
+
+
+def test_monotone_running_max_and_duplicates():
+    cm = CostModel.from_measurements([1, 8, 4, 16, 32, 8], [5.0, 7.0, 6.0, 6.5, 9.0, 7.5])
+    assert cm.verify_tokens.tolist() == [1, 4, 8, 16, 32]
+    # 8 keeps the larger duplicate (7.5); the 16-token dip (6.5) is lifted to 7.5.
+    assert cm.verify_ms.tolist() == [5.0, 6.0, 7.5, 7.5, 9.0]
+    n = np.arange(0, 100)
+    t = cm.step_time_ms(n, 4)
+    assert np.all(np.diff(t) >= 0)
+
+
+def test_interpolation_and_extrapolation():
+    cm = CostModel.from_measurements([10, 20, 40], [2.0, 4.0, 5.0], draft_reqs=[1, 9],
+                                     draft_times_ms=[1.0, 3.0], fixed_ms=0.5)
+    v = cm.verify_cost_ms(np.array([0, 10, 15, 30, 40, 60]))
+    np.testing.assert_allclose(v, [2.0, 2.0, 3.0, 4.5, 5.0, 6.0])  # flat below, slope past
+    np.testing.assert_allclose(cm.draft_cost_ms([1, 5, 9, 13]), [1.0, 2.0, 3.0, 4.0])
+    # step time = fixed + draft(R) + verify(n), broadcast over arrays
+    t = cm.step_time_ms(np.array([15, 60]), 5)
+    np.testing.assert_allclose(t, [0.5 + 2.0 + 3.0, 0.5 + 2.0 + 6.0])
+    t2 = cm.step_time_ms(np.array([15, 15]), np.array([1, 9]))
+    np.testing.assert_allclose(t2, [0.5 + 1.0 + 3.0, 0.5 + 3.0 + 3.0])
+
+
+def test_graph_staircase_and_snapping():
+    cm = CostModel.from_measurements([1, 8, 16, 32, 64], [1.0, 2.0, 3.0, 5.0, 9.0],
+                                     graph_sizes=[1, 2, 4, 8, 16, 32])
+    # Inside the captured range a count pays for its bucket.
+    np.testing.assert_allclose(cm.verify_cost_ms([9, 16]), [3.0, 3.0])
+    np.testing.assert_allclose(cm.verify_cost_ms([17, 32]), [5.0, 5.0])
+    assert cm.verify_cost_ms(5) == pytest.approx(cm.verify_cost_ms(8))
+    # Past the largest bucket: plain interpolation of the (eager) measurements.
+    assert cm.verify_cost_ms(48) == pytest.approx(7.0)
+    assert cm.graph_bucket(np.array([3, 17, 33])).tolist() == [4, 32, -1]
+    t = cm.step_time_ms(np.arange(1, 80), 1)
+    assert np.all(np.diff(t) >= 0)
+    # 5 fixed tokens: budgets that fill a bucket exactly (8, 16, 32 -> n=3, 11, 27), every
+    # budget past the captured range (n >= 28), and the maximum.
+    cand = cm.budget_candidates(5, 30)
+    assert cand.tolist() == [3, 11, 27, 28, 29, 30]
+    assert cm.budget_candidates(5, 20).tolist() == [3, 11, 20]
+    assert cm.snap_budget(5, 4, 100) == 11  # 9 tokens -> 16 bucket -> 11 drafts
+    assert cm.snap_budget(5, 4, 7) == 7  # never past the maximum
+    assert cm.snap_budget(5, 40, 100) == 40  # eager region: unchanged
+    no_graphs = CostModel.from_measurements([1, 8], [1.0, 2.0])
+    assert no_graphs.budget_candidates(5, 4).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_json_round_trip_preserves_everything(tmp_path):
+    prov = make_provenance(model="tiny-qwen3", dtype="bfloat16", device_name="cpu",
+                           num_speculative_tokens=7, graph_sizes=[1, 2, 4])
+    assert prov["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert prov["date"] and prov["num_speculative_tokens"] == 7
+    cm = CostModel.from_measurements([1, 2, 4, 64], [1.0, 1.5, 2.0, 8.0], [1, 16], [0.3, 0.9],
+                                     fixed_ms=0.25, provenance=prov, graph_sizes=[1, 2, 4])
+    path = tmp_path / "cost.json"
+    cm.to_json(path)
+    raw = json.loads(path.read_text())
+    assert raw["schema_version"] == 1 and raw["provenance"]["model"] == "tiny-qwen3"
+    back = CostModel.from_json(path)
+    assert back.provenance == prov
+    assert back.graph_sizes == (1, 2, 4)
+    assert back.fixed_overhead_ms == 0.25
+    n = np.arange(0, 100)
+    np.testing.assert_array_equal(back.step_time_ms(n, 7), cm.step_time_ms(n, 7))
+    assert back.provenance_mismatches({"model": "tiny-qwen3"}) == []
+    assert len(back.provenance_mismatches({"model": "other", "dtype": "bfloat16"})) == 1
+    raw["schema_version"] = 99
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="schema_version"):
+        CostModel.from_json(path)
+
+
+def test_flat_table_detected_and_described():
+    flat = CostModel.from_measurements([1, 64, 512], [30.0, 30.05, 30.1], fixed_ms=1.0)
+    assert flat.is_flat()
+    assert "flat" in flat.describe_problem()
+    single = CostModel.from_measurements([8], [3.0])
+    assert single.is_flat() and "single" in single.describe_problem()
+    empty = CostModel.from_measurements([], [])
+    assert "no verify" in empty.describe_problem()
+    steep = CostModel.from_measurements([1, 512, 2048], [30.0, 30.0, 69.0])
+    assert not steep.is_flat() and steep.describe_problem() is None
+
+
+def test_analytic_roofline_and_tensor_table():
+    cm = CostModel.analytic(weight_read_ms=4.0, ms_per_token=0.01, fixed_overhead_ms=1.0,
+                            draft_base_ms=0.5, draft_ms_per_req=0.0)
+    # Memory-bound (flat) below the knee at 400 tokens, compute-bound above.
+    np.testing.assert_allclose(cm.verify_cost_ms([1, 200, 400, 1000, 4000]),
+                               [4.0, 4.0, 4.0, 10.0, 40.0], rtol=1e-9)
+    assert cm.describe_problem() is None
+    table = cm.as_tensor_table(1000, 8)
+    assert table.shape == (1001,) and table.dtype == torch.float32
+    np.testing.assert_allclose(table.numpy(), cm.step_time_ms(np.arange(1001), 8), rtol=1e-6)
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError):
+        CostModel.from_measurements([1, 2], [1.0])
+    with pytest.raises(ValueError):
+        CostModel.from_measurements([1, 2], [1.0, float("nan")])
+    with pytest.raises(ValueError):
+        CostModel.from_measurements([1, 2], [1.0, 2.0], fixed_ms=-1.0)
+
+
+def test_median_of_repeats_calls_and_times():
+    calls = []
+    ms = median_of_repeats(lambda: calls.append(sum(range(1000))), repeats=5, warmup=2,
+                           sync=False)
+    assert len(calls) == 7
+    assert 0.0 < ms < 1000.0
+    with pytest.raises(ValueError):
+        median_of_repeats(lambda: None, repeats=0)
