@@ -47,8 +47,10 @@ class BlockManager:
     def blocks_needed(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
 
-    def _chain_hash(self, parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-        return hash((parent, tokens, salt if parent is None else None))
+    def _chain_hash(self, parent: int | None, req: Request, i: int) -> int:
+        tokens = tuple(req.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        # the salt keys the first block; every later hash inherits it through the chain
+        return hash((parent, tokens, req.cache_salt if parent is None else None))
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding a cached prefix of req (no references taken). At least one token is
@@ -60,7 +62,7 @@ class BlockManager:
         hits: list[int] = []
         parent = None
         for i in range(max_blocks):
-            h = self._chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+            h = self._chain_hash(parent, req, i)
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -71,7 +73,9 @@ class BlockManager:
         return hits
 
     # -- allocation --------------------------------------------------------------------------
-    def allocate(self, req: Request, num_slots: int, cached_blocks: list[int] | None = None) -> bool:
+    def allocate(
+        self, req: Request, num_slots: int, cached_blocks: list[int] | None = None
+    ) -> bool:
         """Make req's block table cover `num_slots` token slots. On the first call
         `cached_blocks` (from find_cached_prefix) are shared. Returns False, changing nothing,
         when there are not enough free blocks."""
@@ -125,7 +129,7 @@ class BlockManager:
         num_full = min(req.num_computed_tokens, req.num_tokens) // bs
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            h = self._chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]), req.cache_salt)
+            h = self._chain_hash(parent, req, i)
             block = table[i]
             hashes.append(h)
             if self.block_hash[block] is None and h not in self.hash_to_block:

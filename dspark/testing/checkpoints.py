@@ -90,7 +90,9 @@ def make_tiny_target(
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
-                std = init_scale / fan_in**0.5 if p.dim() > 1 else 0.1
+                # tied embeddings: strengthen the layers, or logits just echo the input token
+                scale = init_scale * (3.0 if shape.tie_word_embeddings else 1.0)
+                std = scale / fan_in**0.5 if p.dim() > 1 else 0.1
                 if "embed_tokens" in name:
                     std = init_scale
                 p.copy_(std * torch.randn(p.shape, generator=gen))

@@ -1,0 +1,531 @@
+"""The DSpark drafter (DeepSpec `Qwen3DSparkModel` checkpoints; DFlash = markov_rank 0).
+
+Per decoding round and request, with anchor x0 at absolute position a (= number of context
+tokens before it) and block size G:
+
+  write_context  H_ctx = hidden_norm(fc([target layer outputs])) for each newly computed
+                 target token; every drafter layer i writes k_norm(k_proj_i(H_ctx)) (RoPE at
+                 the token's position) and v_proj_i(H_ctx) into its own paged cache. Done
+                 once per target-computed token, never per step.
+  propose        one parallel backbone pass over the block [x0, MASK x (G-1)] at positions
+                 a + 0..G-1: block queries see the cached context at positions < a and every
+                 key of their own block (bidirectional); block K/V never enter the cache.
+                 Final norm -> h [R, G, d], base logits U_k = lm_head(h_k) for the first K
+                 slots. Then a sequential loop k = 1..K (vectorized over requests) adds the
+                 Markov bias B_k(x_{k-1}) to U_k, picks x_k (argmax or a seeded sample) and
+                 scores the slot with the confidence head. Slot k predicts position a + k.
+
+The embedding and LM head are the target's modules (aliased, not registered here, so they
+are neither saved nor loaded twice). Checkpoint names follow DeepSpec (see markov_heads.py
+and `expected_checkpoint_names`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.attention.base import AttentionBackend
+from dspark.layers.norm import RMSNorm
+from dspark.layers.rotary import RotaryEmbedding
+from dspark.models.config import ModelConfig, parse_dtype
+from dspark.models.markov_heads import MARKOV_HEAD_TYPES, ConfidenceHead, build_markov_head
+from dspark.models.qwen3 import MLP
+from dspark.sampling import rng
+from dspark.sampling.processors import processed_probs, sample_from_probs
+
+if TYPE_CHECKING:
+    from dspark.models.qwen3 import CausalLM
+
+logger = logging.getLogger(__name__)
+
+DRAFTER_ARCHITECTURES = ("Qwen3DSparkModel",)
+# Copies of the target's tensors that DeepSpec saves with the drafter; never used here.
+SHARED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _require(cfg: dict, key: str, kind: type, what: str):
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"drafter config.json is missing required field {key!r} ({what})")
+    value = cfg[key]
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, kind) and not isinstance(value, bool)
+    )
+    if not ok:
+        raise ValueError(
+            f"drafter config field {key!r} must be {kind.__name__} ({what}), got {value!r}"
+        )
+    return value
+
+
+@dataclass
+class DrafterConfig:
+    architectures: list[str]
+    block_size: int  # G: draft slots per round (anchor + G-1 masks); K <= G
+    num_hidden_layers: int
+    target_layer_ids: list[int]  # target decoder layers whose outputs feed `fc`, in order
+    num_target_layers: int
+    mask_token_id: int
+    markov_rank: int  # 0: no Markov head (DFlash)
+    markov_head_type: str | None  # "vanilla" | "gated" | "rnn" (None when markov_rank == 0)
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    dtype: torch.dtype
+    raw: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> DrafterConfig:
+        archs = cfg.get("architectures") or []
+        if not any(a in DRAFTER_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"drafter config field 'architectures' is {archs!r}; supported: "
+                f"{list(DRAFTER_ARCHITECTURES)}"
+            )
+        dims = ModelConfig.from_dict(cfg)  # Qwen3 dims, RoPE and dtype parsing
+        block_size = _require(cfg, "block_size", int, "draft slots per round")
+        ids = _require(cfg, "target_layer_ids", list, "captured target layers")
+        num_target = _require(cfg, "num_target_layers", int, "target depth")
+        mask_id = _require(cfg, "mask_token_id", int, "token id of the MASK slots")
+        rank = _require(cfg, "markov_rank", int, "0 disables the Markov head")
+        conf = _require(cfg, "enable_confidence_head", bool, "confidence head present")
+        if block_size < 1:
+            raise ValueError(f"drafter config field 'block_size' must be >= 1, got {block_size}")
+        if dims.num_hidden_layers < 1:
+            raise ValueError("drafter config field 'num_hidden_layers' must be >= 1")
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(
+                f"drafter config field 'target_layer_ids' must be a non-empty list of ints, "
+                f"got {ids!r}"
+            )
+        if num_target < 1:
+            raise ValueError("drafter config field 'num_target_layers' must be >= 1")
+        if not 0 <= mask_id < dims.vocab_size:
+            raise ValueError(
+                f"drafter config field 'mask_token_id' {mask_id} is outside the vocabulary "
+                f"[0, {dims.vocab_size})"
+            )
+        if rank < 0:
+            raise ValueError(f"drafter config field 'markov_rank' must be >= 0, got {rank}")
+        head_type = None
+        if rank > 0:
+            head_type = _require(cfg, "markov_head_type", str, "needed when markov_rank > 0")
+            if head_type.lower() not in MARKOV_HEAD_TYPES:
+                raise ValueError(
+                    f"drafter config field 'markov_head_type' is {head_type!r}; supported: "
+                    f"{list(MARKOV_HEAD_TYPES)}"
+                )
+            head_type = head_type.lower()
+        with_markov = False
+        if conf:
+            with_markov = _require(
+                cfg, "confidence_head_with_markov", bool, "needed with a confidence head"
+            )
+            if with_markov and rank == 0:
+                raise ValueError(
+                    "drafter config field 'confidence_head_with_markov' is true but "
+                    "'markov_rank' is 0 (the head's input W1[x_prev] needs a Markov head)"
+                )
+        layer_types = cfg.get("layer_types")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"drafter config field 'layer_types' must be all 'full_attention', "
+                f"got {layer_types!r}"
+            )
+        draft_vocab = cfg.get("draft_vocab_size")
+        if draft_vocab not in (None, dims.vocab_size):
+            raise ValueError(
+                f"drafter config field 'draft_vocab_size' ({draft_vocab}) differs from "
+                f"'vocab_size' ({dims.vocab_size}); pruned draft vocabularies are not supported"
+            )
+        return cls(
+            architectures=list(archs),
+            block_size=block_size,
+            num_hidden_layers=dims.num_hidden_layers,
+            target_layer_ids=list(ids),
+            num_target_layers=num_target,
+            mask_token_id=mask_id,
+            markov_rank=rank,
+            markov_head_type=head_type,
+            enable_confidence_head=conf,
+            confidence_head_with_markov=with_markov,
+            vocab_size=dims.vocab_size,
+            hidden_size=dims.hidden_size,
+            intermediate_size=dims.intermediate_size,
+            num_attention_heads=dims.num_attention_heads,
+            num_key_value_heads=dims.num_key_value_heads,
+            head_dim=dims.head_dim,
+            rms_norm_eps=dims.rms_norm_eps,
+            rope=dims.rope,
+            attention_bias=dims.attention_bias,
+            mlp_bias=dims.mlp_bias,
+            max_position_embeddings=dims.max_position_embeddings,
+            dtype=dims.dtype,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> DrafterConfig:
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no config.json in drafter folder {path!r}")
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+        return cls.from_dict(cfg)
+
+
+def check_compatible(
+    dcfg: DrafterConfig, target_cfg: ModelConfig, num_speculative_tokens: int
+) -> None:
+    """Raise ValueError (naming the field) if the drafter cannot serve this target and K."""
+    k = num_speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
+    if k > dcfg.block_size:
+        raise ValueError(
+            f"num_speculative_tokens ({k}) exceeds the drafter's block_size "
+            f"({dcfg.block_size}); a DSpark drafter proposes at most block_size tokens"
+        )
+    if dcfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"drafter vocab_size ({dcfg.vocab_size}) != target vocab_size "
+            f"({target_cfg.vocab_size}); the drafter shares the target's embedding and LM head"
+        )
+    if dcfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"drafter hidden_size ({dcfg.hidden_size}) != target hidden_size "
+            f"({target_cfg.hidden_size})"
+        )
+    depth = target_cfg.num_hidden_layers
+    if dcfg.num_target_layers != depth:
+        raise ValueError(
+            f"drafter num_target_layers ({dcfg.num_target_layers}) != the target's "
+            f"num_hidden_layers ({depth}); the drafter was trained for another target"
+        )
+    for i in dcfg.target_layer_ids:
+        if i == -1:
+            raise ValueError(
+                "drafter target_layer_ids contains -1 (the embedding output), which this "
+                "engine does not capture"
+            )
+        if not 0 <= i < depth - 1:
+            raise ValueError(
+                f"drafter target_layer_ids entry {i} is out of range: must be in "
+                f"[0, {depth - 2}] (the target's final layer {depth - 1} is not allowed: "
+                f"its Hugging Face hidden state is the normed one)"
+            )
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class DraftOutput:
+    token_ids: torch.Tensor  # [R, K] int64
+    probs: torch.Tensor | None  # [R, K, V] float32 at the request temperature (probabilistic)
+    conf_logits: torch.Tensor | None  # [R, K] float32; c_k = sigmoid(logit)
+    max_probs: torch.Tensor  # [R, K] float32, max of the T = 1 draft distribution
+
+
+class DrafterAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [projected context ; projected block]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def context_kv(self, h_ctx: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
+        # h_ctx [T, d] -> k, v [T, Hkv, D]; only the k/v rows of the packed projection.
+        w = self.qkv_proj.weight[self.q_size :]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        k, v = F.linear(h_ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        return rotary.apply_one(positions, k), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, positions, rotary, kv_cache, ctx_lens, block_tables, max_ctx_len,
+                backend: AttentionBackend):
+        num_reqs, block_len = x.shape[:2]  # x [R, G, d], positions [R, G]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(num_reqs, block_len, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(num_reqs, block_len, self.num_kv_heads, self.head_dim))
+        v = v.view(num_reqs, block_len, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.draft_forward(
+            q, k, v, kv_cache[0], kv_cache[1], ctx_lens, block_tables, max_ctx_len, self.scale
+        )  # [R, G, H, D]
+        return self.o_proj(out.reshape(num_reqs, block_len, self.q_size))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, *attn_args):
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDrafter(nn.Module):
+    # checkpoint name fragment -> (our packed parameter fragment, shard index)
+    packed_modules = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: DrafterConfig, target: CausalLM):
+        super().__init__()
+        self.config = cfg
+        d = cfg.hidden_size
+        # Aliases of the target's modules, kept out of _modules on purpose: not parameters of
+        # the drafter, not in its state_dict, not moved or cast by drafter.to().
+        object.__setattr__(self, "embed_tokens", target.embed_tokens)
+        object.__setattr__(self, "lm_head", target.lm_head)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.markov_head = build_markov_head(
+            cfg.markov_head_type or "vanilla", cfg.vocab_size, d, cfg.markov_rank
+        )
+        self.confidence_head = None
+        if cfg.enable_confidence_head:
+            extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(d + extra)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    # ---------------------------------------------------------------- context
+
+    @torch.no_grad()
+    def write_context(
+        self,
+        aux_hidden: torch.Tensor,  # [T, m*d] target layer outputs at target_layer_ids
+        positions: torch.Tensor,  # [T] int64
+        slot_mapping: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+    ) -> None:
+        h_ctx = self.hidden_norm(self.fc(aux_hidden))  # [T, d]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            k, v = layer.self_attn.context_kv(h_ctx, positions, self.rotary)
+            backend.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    # ---------------------------------------------------------------- drafting
+
+    @torch.no_grad()
+    def propose(
+        self,
+        anchor_ids: torch.Tensor,  # [R] int64
+        anchor_pos: torch.Tensor,  # [R] int64, = context length before the anchor
+        block_tables: torch.Tensor,  # [R, max_blocks] int32
+        max_ctx_len: int,  # CPU upper bound of anchor_pos
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        num_tokens: int,  # K <= block_size
+        temperature: torch.Tensor,  # [R] float32
+        seeds: torch.Tensor,  # [R] int64
+        rounds: torch.Tensor,  # [R] int64
+        sample_method: str = "greedy",  # "greedy" | "probabilistic"
+    ) -> DraftOutput:
+        cfg = self.config
+        num_reqs, block_len, k_max = anchor_ids.shape[0], cfg.block_size, num_tokens
+        if not 1 <= k_max <= block_len:
+            raise ValueError(f"num_tokens must be in [1, block_size={block_len}], got {k_max}")
+        if sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                f"sample_method must be 'greedy' or 'probabilistic', got {sample_method!r}"
+            )
+        device = anchor_ids.device
+        # Parallel stage: [anchor, MASK x (G-1)] at positions anchor_pos + 0..G-1.
+        offsets = torch.arange(block_len, device=device)
+        ids = torch.full((num_reqs, block_len), cfg.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = anchor_ids
+        positions = anchor_pos.unsqueeze(1) + offsets  # [R, G]
+        ctx_lens = anchor_pos.to(torch.int32)
+        x = self.embed_tokens(ids)  # [R, G, d]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, ctx_lens, block_tables, max_ctx_len,
+                      backend)
+        h = self.norm(x[:, :k_max])  # [R, K, d]
+        base_logits = self.lm_head(h)  # [R, K, V]
+
+        # Sequential stage: Markov bias, token choice and confidence, slot by slot.
+        probabilistic = sample_method == "probabilistic"
+        token_ids = torch.empty(num_reqs, k_max, dtype=torch.long, device=device)
+        max_probs = torch.empty(num_reqs, k_max, dtype=torch.float32, device=device)
+        probs = None
+        if probabilistic:
+            probs = torch.empty(num_reqs, k_max, cfg.vocab_size, dtype=torch.float32,
+                                device=device)
+        conf_logits = None
+        if self.confidence_head is not None:
+            conf_logits = torch.empty(num_reqs, k_max, dtype=torch.float32, device=device)
+        head = self.markov_head
+        state = None if head is None else head.init_state(num_reqs, h)
+        prev = anchor_ids
+        for k in range(k_max):
+            h_k = h[:, k]
+            logits = base_logits[:, k].float()
+            prev_emb = None
+            if head is not None:
+                prev_emb = head.prev_embedding(prev)
+                bias, state = head.step(prev_emb, h_k, state)
+                logits = logits + bias.float()
+            if conf_logits is not None:
+                feats = h_k if prev_emb is None or not cfg.confidence_head_with_markov else (
+                    torch.cat([h_k, prev_emb.to(h_k.dtype)], dim=-1)
+                )
+                conf_logits[:, k] = self.confidence_head(feats)
+            top = logits.max(dim=-1)
+            max_probs[:, k] = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
+            if probabilistic:
+                p = processed_probs(logits, temperature)  # one-hot rows for T <= 1e-5
+                u = rng.uniform(seeds, anchor_pos + (k + 1), rounds, rng.DRAFT)
+                tok = sample_from_probs(p, u)
+                probs[:, k] = p
+            else:
+                tok = top.indices
+            token_ids[:, k] = tok
+            prev = tok
+        return DraftOutput(token_ids, probs, conf_logits, max_probs)
+
+    # ---------------------------------------------------------------- loading
+
+    def shard_sizes(self, param_name: str) -> list[int] | None:
+        if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        if param_name.endswith("gate_up_proj.weight") or param_name.endswith("gate_up_proj.bias"):
+            return [self.config.intermediate_size] * 2
+        return None
+
+    def expected_checkpoint_names(self) -> list[str]:
+        """Every tensor name a DeepSpec checkpoint must hold for this config (no copies)."""
+        names = []
+        for name, _ in self.named_parameters():
+            shards = [name.replace(packed, frag) for frag, (packed, _) in
+                      self.packed_modules.items() if f".{packed}." in f".{name}"]
+            names.extend(shards or [name])
+        return sorted(set(names))
+
+    @staticmethod
+    def checkpoint_name_to_param(name: str) -> str:
+        return name[len("model.") :] if name.startswith("model.") else name
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, target: CausalLM, dtype: torch.dtype | str, device: torch.device | str
+    ) -> DSparkDrafter:
+        from dspark.models.loader import load_weights
+
+        cfg = DrafterConfig.from_pretrained(path)
+        check_compatible(cfg, target.config, 1)
+        dtype = parse_dtype(dtype)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(cfg, target)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+
+        found = {cls.checkpoint_name_to_param(n) for n in _checkpoint_tensor_names(path)}
+        expected = set(model.expected_checkpoint_names())
+        missing = sorted(expected - found)
+        if missing:
+            raise ValueError(f"drafter checkpoint {path!r} is missing tensor(s): {missing}")
+        unexpected = sorted(found - expected - set(SHARED_TENSORS))
+        if unexpected:
+            raise ValueError(f"unexpected tensor(s) in drafter checkpoint {path!r}: {unexpected}")
+
+        def shared_copy(name: str, tensor: torch.Tensor) -> bool:
+            name = cls.checkpoint_name_to_param(name)
+            if name not in SHARED_TENSORS:
+                return False
+            ours = (model.embed_tokens if name.startswith("embed") else model.lm_head).weight
+            _warn_if_different(name, tensor, ours, path)
+            return True
+
+        load_weights(model, path, cls.checkpoint_name_to_param, cls.packed_modules,
+                     model.shard_sizes, ignore=shared_copy)
+        return model.eval().requires_grad_(False)
+
+
+def _checkpoint_tensor_names(path: str) -> list[str]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    from dspark.models.loader import checkpoint_files
+
+    names = []
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"cannot read weight file {file!r}: {e}") from None
+    return names
+
+
+def _warn_if_different(name: str, copy: torch.Tensor, ours: torch.Tensor, path: str) -> None:
+    if tuple(copy.shape) != tuple(ours.shape):
+        logger.warning("drafter checkpoint %s: %s has shape %s but the target's is %s; "
+                       "using the target's", path, name, tuple(copy.shape), tuple(ours.shape))
+        return
+    # Loose tolerance: a bf16 copy of an fp32 target is "the same" tensor.
+    copy = copy.to(device=ours.device, dtype=torch.float32)
+    diff = (copy - ours.detach().float()).abs()
+    if not bool((diff <= 1e-3 + 1e-2 * ours.detach().float().abs()).all()):
+        logger.warning("drafter checkpoint %s: %s differs from the target's (max abs diff "
+                       "%.3g); using the target's", path, name, float(diff.max()))
