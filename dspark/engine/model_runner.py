@@ -90,10 +90,41 @@ class ModelRunner:
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(shape[0])]
         if self.spec is not None:
             self.spec.allocate_cache(self.num_blocks, self.block_size)
+            if self.spec.needs_cost_model:
+                self._install_cost_model()
         logger.info(
             "KV cache: %d blocks x %d tokens (%s, %s backend)",
             self.num_blocks, self.block_size, device, self.backend.name,
         )  # fmt: skip
+
+    def _install_cost_model(self) -> None:
+        from dspark.spec.cost_model import CostModel
+        from dspark.spec.profiler import profile_cost_model
+
+        path = self.config.speculative_config.cost_table_path
+        if path:
+            cost = CostModel.from_json(path)
+            status = f"loaded from {path}"
+            prov = cost.provenance
+            if prov.get("device_name") and self.device.type == "cuda":
+                name = torch.cuda.get_device_name(self.device)
+                if prov["device_name"] != name:
+                    logger.warning("cost table %s was measured on %s, not %s", path,
+                                   prov["device_name"], name)  # fmt: skip
+        else:
+            on_gpu = self.device.type == "cuda"
+            cost = profile_cost_model(
+                self, context_len=256 if on_gpu else 32, repeats=5 if on_gpu else 3,
+                warmup=2 if on_gpu else 1,
+            )  # fmt: skip
+            status = "profiled at start-up"
+        problem = cost.describe_problem()
+        if problem:
+            status = f"UNUSABLE ({problem}): every draft is verified"
+            logger.warning("adaptive verification: %s", status)
+        else:
+            logger.info("adaptive verification cost table %s", status)
+        self.spec.set_cost_model(cost, status)
 
     # -- memory ---------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

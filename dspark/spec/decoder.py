@@ -1,0 +1,228 @@
+"""SpecDecoder: the speculative half of a step (DSpark drafter + adaptive verification).
+
+Per-request device buffers, indexed by the request's persistent slot, carry one round's
+drafts to the next step: draft tokens [S, K], draft distributions [S, K, V] (probabilistic
+drafts), the conditional confidences used for allocation [S, K] and the online estimator's
+features [S, K]. Confidences are also copied to a host buffer asynchronously: the planner's
+budget uses that stale copy (non-anticipating), the allocation uses the live device values.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.input_batch import StepInputs, finalize
+from dspark.models.config import ModelConfig
+from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
+from dspark.spec.confidence import (
+    OnlineAcceptanceEstimator,
+    apply_sts,
+    features_from_draft_probs,
+    load_sts,
+)
+from dspark.spec.planner import Planner
+from dspark.spec.verify import VerifyInputs, verify
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecoder:
+    def __init__(
+        self, config: EngineConfig, target, target_cfg: ModelConfig, device, dtype, backend
+    ):
+        sc = config.speculative_config
+        self.sc = sc
+        self.k = sc.num_speculative_tokens
+        self.device = device
+        self.backend = backend
+        dcfg = DrafterConfig.from_pretrained(sc.model)
+        check_compatible(dcfg, target_cfg, self.k)
+        self.drafter = DSparkDrafter.from_pretrained(sc.model, target, dtype, device).eval()
+        self.aux_layer_ids = tuple(dcfg.target_layer_ids)
+        slots = config.max_num_seqs
+        self.draft_tokens = torch.zeros(slots, self.k, dtype=torch.int64, device=device)
+        self.draft_probs = None
+        if sc.draft_sample_method == "probabilistic":
+            shape = (slots, self.k, target_cfg.vocab_size)
+            self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.conf = torch.ones(slots, self.k, dtype=torch.float32, device=device)
+        self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
+        # double buffer: the device copies into staging; the planner reads host_conf, which
+        # takes staging's contents once that copy has landed (never waiting for it)
+        pin = device.type == "cuda"
+        self.host_conf = torch.ones(slots, self.k, dtype=torch.float32)
+        self._host_staging = torch.ones(slots, self.k, dtype=torch.float32, pin_memory=pin)
+        self._conf_copy_done: torch.cuda.Event | None = None
+        # confidence source
+        has_head = dcfg.enable_confidence_head
+        source = sc.confidence_source
+        if source == "head" and not has_head:
+            raise ValueError(
+                "speculative_config.confidence_source is 'head' but the drafter has no "
+                "confidence head; use 'auto' or 'online'"
+            )
+        self.use_head = has_head and source in ("auto", "head")
+        self.estimator = None if self.use_head else OnlineAcceptanceEstimator(self.k, device)
+        self.sts = None
+        if sc.confidence_calibration_path:
+            temps, _ = load_sts(sc.confidence_calibration_path)
+            if len(temps) < self.k:
+                raise ValueError(
+                    f"calibration file has {len(temps)} temperatures, need {self.k} "
+                    "(speculative_config.confidence_calibration_path)"
+                )
+            self.sts = list(temps[: self.k])
+        self._policy = sc.adaptive_policy
+        self.cost = None
+        self.cost_status = "not needed by this policy"
+        self.planner: Planner | None = None
+        if not self.needs_cost_model:
+            self.planner = Planner(self._policy, threshold=sc.confidence_threshold)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.last_budget: int | None = None
+
+    # -- memory ---------------------------------------------------------------------------
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        d = self.drafter
+        elem = next(d.parameters()).element_size()
+        return 2 * d.num_layers * block_size * d.num_kv_heads * d.head_dim * elem
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        d = self.drafter
+        shape = (d.num_layers, num_blocks, block_size, d.num_kv_heads, d.head_dim)
+        dtype = next(d.parameters()).dtype
+        k = torch.zeros(shape, dtype=dtype, device=self.device)
+        v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_caches = [(k[i], v[i]) for i in range(d.num_layers)]
+
+    def set_cost_model(self, cost, status: str) -> None:
+        """Install the cost model (loaded or profiled) and build the planner."""
+        self.cost = cost
+        self.cost_status = status
+        self.planner = Planner(
+            self._policy,
+            cost,
+            min_predicted_gain=self.sc.min_predicted_gain,
+            threshold=self.sc.confidence_threshold,
+            snap_to_graphs=self.sc.snap_budget_to_graphs,
+        )
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self._policy in ("lagged", "early_stop")
+
+    # -- plan (host, stale confidences) --------------------------------------------------------
+    def plan(self, rows) -> int | None:
+        """The lagged policy's total draft budget, from stale host confidences (no sync)."""
+        if self._policy != "lagged":
+            return None
+        caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
+        if not caps.any():
+            self.last_budget = 0
+            return 0
+        self._refresh_host_conf()
+        slots = np.array([r.req.slot for r in rows], dtype=np.int64)
+        stale = self.host_conf.numpy()[slots]
+        other = sum(r.num_non_draft_tokens for r in rows) - len(rows)
+        n_sampling = sum(1 for r in rows if r.samples)
+        budget = self.planner.plan_cpu(stale, caps, other, n_sampling)
+        self.last_budget = budget
+        return budget
+
+    def _refresh_host_conf(self) -> None:
+        # Use the last copy that has landed; never wait for the device.
+        ev = self._conf_copy_done
+        if ev is None or ev.query():
+            self.host_conf.copy_(self._host_staging)
+
+    # -- allocate (device, live confidences) ----------------------------------------------------
+    def choose_lengths(self, inp: StepInputs, budget: int | None) -> None:
+        if inp.max_capacity == 0 or self._policy == "fixed":
+            finalize(inp, None, None, None)
+            return
+        conf = self.conf[inp.slots]
+        caps = inp.capacities * inp.samples.long()
+        num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
+        other = inp.num_tokens - num_drafts - inp.num_reqs  # non-draft tokens beyond one per row
+        lengths = self.planner.allocate_device(
+            conf, caps, budget=budget, num_other_tokens=other, num_sampling_reqs=inp.num_samples
+        )
+        if budget is not None:
+            # the host knows the exact totals: the forward runs on exactly these tokens
+            n_tok = inp.num_tokens - num_drafts + budget
+            finalize(inp, lengths, n_tok, inp.num_samples + budget)
+        else:
+            finalize(inp, lengths, None, None)  # upper bounds; padding at the tail
+
+    # -- verify -------------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, inp: StepInputs):
+        slots = inp.slots
+        vin = VerifyInputs(
+            target_logits=logits,
+            cu_num_logits=inp.cu_num_logits,
+            draft_token_ids=self.draft_tokens[slots],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[slots],
+            temperature=inp.temperature,
+            top_k=inp.top_k,
+            top_p=inp.top_p,
+            min_p=inp.min_p,
+            seeds=inp.seeds,
+            anchor_positions=inp.anchor_pos,
+            rounds=inp.rounds,
+        )
+        out, num_out = verify(vin, self.sc.rejection_sample_method)
+        if self.estimator is not None and inp.max_capacity > 0:
+            has = inp.samples & (inp.capacities > 0)
+            verified = torch.where(has, inp.lengths, 0)
+            accepted = torch.where(has, (num_out - 1).clamp(min=0), 0)
+            self.estimator.observe(self.features[slots], verified, accepted)
+            self.estimator.maybe_refit()
+        return out, num_out
+
+    # -- draft --------------------------------------------------------------------------------
+    def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):
+        d = self.drafter
+        d.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches, self.backend)
+        last = (num_out - 1).clamp(min=0)
+        anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
+        anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
+        draft = d.propose(
+            anchors, anchor_pos, inp.block_tables, inp.max_seq_len + self.k + 1,
+            self.kv_caches, self.backend, self.k, inp.temperature, inp.seeds, inp.rounds + 1,
+            self.sc.draft_sample_method,
+        )  # fmt: skip
+        slots = inp.slots
+        self.draft_tokens[slots] = draft.token_ids
+        if self.draft_probs is not None:
+            self.draft_probs[slots] = draft.probs
+        if self.use_head:
+            logits = draft.conf_logits
+            conf = apply_sts(logits, self.sts) if self.sts else torch.sigmoid(logits)
+        else:
+            feats = features_from_draft_probs(draft.max_probs)
+            self.features[slots] = feats
+            conf = self.estimator.predict(feats)
+        self.conf[slots] = conf.float()
+        self._copy_conf_to_host()
+
+    def _copy_conf_to_host(self) -> None:
+        self._host_staging.copy_(self.conf, non_blocking=True)
+        if self.device.type == "cuda":
+            self._conf_copy_done = torch.cuda.Event()
+            self._conf_copy_done.record()
+
+    # -- observability --------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        d = self.planner.last_decision if self.planner is not None else None
+        return {
+            "policy": self._policy,
+            "budget": self.last_budget,
+            "predicted_gain": None if d is None else d.predicted_gain,
+            "trimmed": None if d is None else d.trimmed,
+            "cost_table_status": self.cost_status,
+            "confidence_source": "head" if self.use_head else "online",
+        }

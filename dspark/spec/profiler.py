@@ -1,0 +1,124 @@
+"""Profile the step-cost table on the running model (engine start-up and `dspark profile`).
+
+Times the target forward (+ LM head over every token, as a verify step computes logits for
+every verified position) against the number of tokens in a ragged batch, and the drafter
+(context write + one block proposal) against the number of requests. Dummy requests get a
+synthetic context of `context_len` tokens. Medians of repeats, warm-up excluded; the table is
+made monotone by CostModel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from dspark.attention.base import AttentionMetadata, compute_token_to_req
+from dspark.forward_context import ForwardContext, forward_context
+from dspark.spec.cost_model import CostModel, make_provenance, median_of_repeats
+
+logger = logging.getLogger(__name__)
+
+
+def default_token_counts(max_tokens: int) -> list[int]:
+    counts = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024}
+    counts |= {1536, 2048, 3072, 4096, 6144, 8192}
+    return sorted(c for c in counts if c <= max_tokens)
+
+
+def _dummy_batch(runner, num_tokens: int, num_reqs: int, context_len: int):
+    """A ragged batch of num_reqs rows (sizes differing by at most one) over fresh blocks."""
+    device, bs = runner.device, runner.block_size
+    q = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+    q[: num_tokens % num_reqs] += 1
+    seq = context_len + q
+    blocks_per_req = -(-int(seq.max()) // bs)
+    usable = runner.num_blocks - 1
+    bt = 1 + (np.arange(num_reqs * blocks_per_req) % usable).reshape(num_reqs, blocks_per_req)
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    row = np.repeat(np.arange(num_reqs), q)
+    pos = context_len + np.arange(num_tokens) - qsl[row]
+    slots = bt[row, pos // bs] * bs + pos % bs
+    t = lambda a, dt=torch.int64: torch.as_tensor(a, dtype=dt, device=device)  # noqa: E731
+    qsl_t = t(qsl, torch.int32)
+    md = AttentionMetadata(
+        query_start_loc=qsl_t, seq_lens=t(seq, torch.int32), block_tables=t(bt, torch.int32),
+        slot_mapping=t(slots), positions=t(pos),
+        token_to_req=compute_token_to_req(qsl_t, num_tokens),
+        max_query_len=int(q.max()), max_seq_len=int(seq.max()), num_reqs=num_reqs,
+    )  # fmt: skip
+    ids = torch.randint(0, runner.model_cfg.vocab_size, (num_tokens,), device=device)
+    return ids, md
+
+
+@torch.inference_mode()
+def profile_cost_model(
+    runner,
+    max_tokens: int | None = None,
+    context_len: int = 256,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> CostModel:
+    cfg = runner.config
+    spec = runner.spec
+    k = spec.k if spec is not None else 0
+    max_tokens = max_tokens or min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k))
+    aux_ids = spec.aux_layer_ids if spec is not None else ()
+    counts, times = [], []
+    for n in default_token_counts(max_tokens):
+        num_reqs = max(1, min(cfg.max_num_seqs, n))
+        ids, md = _dummy_batch(runner, n, num_reqs, context_len)
+
+        def target_step(ids=ids, md=md):
+            ctx = ForwardContext(md, runner.backend, runner.kv_caches)
+            with forward_context(ctx):
+                hidden, _ = runner.model(ids, md.positions, aux_ids)
+            runner.model.compute_logits(hidden)
+
+        counts.append(n)
+        times.append(median_of_repeats(target_step, repeats, warmup))
+    draft_reqs, draft_times = [], []
+    if spec is not None:
+        for r in sorted({1, 4, 16, 64, 256, cfg.max_num_seqs}):
+            if r > cfg.max_num_seqs:
+                continue
+            draft_reqs.append(r)
+            step = _draft_step(runner, r, context_len)
+            draft_times.append(median_of_repeats(step, repeats, warmup))
+    prov = make_provenance(
+        model=cfg.model, dtype=str(runner.dtype).replace("torch.", ""),
+        device_name=_device_name(runner.device), num_speculative_tokens=k,
+        context_len=context_len, source="profiled",
+    )  # fmt: skip
+    return CostModel.from_measurements(counts, times, draft_reqs, draft_times, 0.0, prov)
+
+
+def _draft_step(runner, num_reqs: int, context_len: int):
+    spec = runner.spec
+    n = num_reqs * (1 + spec.k)
+    ids, md = _dummy_batch(runner, n, num_reqs, context_len)
+    d = spec.drafter
+    m = len(spec.aux_layer_ids)
+    aux = torch.randn(n, m * runner.model_cfg.hidden_size, device=runner.device, dtype=runner.dtype)
+    anchors = ids[:num_reqs]
+    anchor_pos = torch.full((num_reqs,), context_len, dtype=torch.int64, device=runner.device)
+    temp = torch.ones(num_reqs, device=runner.device)
+    seeds = torch.arange(num_reqs, device=runner.device)
+
+    def step():
+        d.write_context(aux, md.positions, md.slot_mapping, spec.kv_caches, runner.backend)
+        d.propose(
+            anchors, anchor_pos, md.block_tables, context_len + spec.k + 1, spec.kv_caches,
+            runner.backend, spec.k, temp, seeds, seeds, spec.sc.draft_sample_method,
+        )  # fmt: skip
+
+    return step
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
