@@ -50,6 +50,8 @@ class SpecDecoder:
             shape = (slots, self.k, target_cfg.vocab_size)
             self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=device)
         self.conf = torch.ones(slots, self.k, dtype=torch.float32, device=device)
+        self.conf_logits = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
+        self.trace: list[dict] | None = None  # per-step records while tracing (host syncs!)
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         # double buffer: the device copies into staging; the planner reads host_conf, which
         # takes staging's contents once that copy has landed (never waiting for it)
@@ -175,6 +177,8 @@ class SpecDecoder:
             rounds=inp.rounds,
         )
         out, num_out = verify(vin, self.sc.rejection_sample_method)
+        if self.trace is not None:
+            self._record(inp, num_out)
         if self.estimator is not None and inp.max_capacity > 0:
             has = inp.samples & (inp.capacities > 0)
             verified = torch.where(has, inp.lengths, 0)
@@ -182,6 +186,25 @@ class SpecDecoder:
             self.estimator.observe(self.features[slots], verified, accepted)
             self.estimator.maybe_refit()
         return out, num_out
+
+    def start_trace(self) -> None:
+        """Record, per step, the confidences and outcomes of every verified block (for
+        `dspark calibrate` and the replay simulator). Costs a host sync per step."""
+        self.trace = []
+
+    def _record(self, inp: StepInputs, num_out: torch.Tensor) -> None:
+        has = (inp.samples & (inp.capacities > 0)).cpu().numpy()
+        if not has.any():
+            return
+        slots = inp.slots
+        self.trace.append({
+            "slots": slots.cpu().numpy()[has],
+            "conf": self.conf[slots].cpu().numpy()[has],
+            "conf_logits": self.conf_logits[slots].cpu().numpy()[has],
+            "capacities": inp.capacities.cpu().numpy()[has],
+            "verified": inp.lengths.cpu().numpy()[has],
+            "accepted": (num_out - 1).clamp(min=0).cpu().numpy()[has],
+        })  # fmt: skip
 
     # -- draft --------------------------------------------------------------------------------
     def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):
@@ -201,6 +224,7 @@ class SpecDecoder:
             self.draft_probs[slots] = draft.probs
         if self.use_head:
             logits = draft.conf_logits
+            self.conf_logits[slots] = logits.float()
             conf = apply_sts(logits, self.sts) if self.sts else torch.sigmoid(logits)
         else:
             feats = features_from_draft_probs(draft.max_probs)
