@@ -231,7 +231,8 @@ class OnlineAcceptanceEstimator:
     def refit(self) -> None:
         """One damped Newton step (host, float64) on the accumulated window, then reset."""
         self._last_refit = self.num_observe_calls
-        s = self.stats.double().cpu().numpy()  # the only host sync of the estimator
+        # The only host sync of the estimator; copy: on CPU .numpy() shares the buffer.
+        s = self.stats.double().cpu().numpy().copy()
         self.stats.zero_()
         n, g_b, g_w, h_bb, h_bw, h_ww = s
         if n.sum() <= 0:

@@ -119,8 +119,9 @@ def plan_budget_lagged(
 
 # ---------------------------------------------------------------------- device side
 def _survival_ranks(conf: torch.Tensor, capacities: torch.Tensor, drop_zero: bool = False):
-    """Rank of every slot in the global order (-survival, position, request), invalid slots
-    last. Returns (ranks [K*R] in position-major layout, key [K*R], valid [K*R], sorted key)."""
+    """Rank of every slot in the global order (-survival, position, request); invalid slots
+    (>= capacity; with `drop_zero` also zero survival) sort last with key +inf.
+    Returns (ranks [K*R], valid [K*R], sorted keys [K*R]), flat index = position * R + req."""
     num_reqs, k = conf.shape
     dtype = torch.float64 if conf.dtype == torch.float64 else torch.float32
     c = torch.nan_to_num(conf.to(dtype), nan=0.0).clamp_(0.0, 1.0)

@@ -1,0 +1,287 @@
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.spec.cost_model import CostModel
+from dspark.spec.planner import (
+    Planner,
+    allocate_top_b,
+    early_stop_lengths,
+    fixed_lengths,
+    plan_budget_lagged,
+    threshold_lengths,
+)
+
+
+def random_cost(rng, max_tokens=64):
+    """Random monotone cost table: fixed + draft(R) + a verify curve that is flat, steep, or
+    a staircase (strictly increasing so that optima are unique)."""
+    n = np.arange(1, max_tokens + 1)
+    kind = rng.integers(3)
+    if kind == 0:  # flat-ish then linear
+        verify = rng.uniform(1, 5) + rng.uniform(0, 0.5) * np.maximum(0, n - rng.integers(1, 20))
+    elif kind == 1:  # random increments
+        verify = np.cumsum(rng.exponential(rng.uniform(0.01, 1.0), n.size))
+    else:  # staircase with small slope inside the stairs
+        verify = 2.0 * (n // rng.integers(2, 6)) + 1e-3 * n
+    verify = verify + 1e-6 * n  # strictly increasing
+    return CostModel.from_measurements(n, verify, draft_reqs=[1, 8],
+                                       draft_times_ms=[rng.uniform(0, 2), rng.uniform(2, 4)],
+                                       fixed_ms=rng.uniform(0, 2))
+
+
+def brute_force_plan(conf, caps, other, n_sampling, cost, min_gain, allowed=None):
+    """Exhaustive search over every plan l (not just top-n sets), then the guard."""
+    num_reqs = len(caps)
+    surv = np.cumprod(conf, axis=1)
+    total = int(sum(caps))
+    best_theta, best_n, theta_full = -1.0, None, None
+    for plan in itertools.product(*[range(c + 1) for c in caps]):
+        n = sum(plan)
+        if allowed is not None and n not in allowed and n != total:
+            continue
+        tau = n_sampling + sum(surv[r, :plan[r]].sum() for r in range(num_reqs))
+        theta = tau / float(cost.step_time_ms(num_reqs + other + n, num_reqs))
+        if n == total:
+            theta_full = theta
+        if theta > best_theta:
+            best_theta, best_n = theta, n
+    if best_n < total and best_theta > theta_full * (1 + min_gain):
+        return best_n, best_theta
+    return total, best_theta
+
+
+def test_lagged_budget_matches_brute_force_on_random_instances():
+    rng = np.random.default_rng(0)
+    trimmed = full = 0
+    for _ in range(250):
+        num_reqs, k = rng.integers(1, 5), rng.integers(1, 4)
+        conf = rng.uniform(0, 1, (num_reqs, k)) ** rng.uniform(0.2, 2)
+        caps = rng.integers(0, k + 1, num_reqs)
+        other, n_sampling = int(rng.integers(0, 4)), int(num_reqs)
+        cost = random_cost(rng)
+        gain = float(rng.choice([0.0, 0.04]))
+        allowed = None
+        if rng.random() < 0.3:
+            allowed = set(rng.choice(int(caps.sum()) + 1, 3).tolist())
+        d = plan_budget_lagged(conf, caps, other, n_sampling, cost, gain,
+                               None if allowed is None else np.array(sorted(allowed)))
+        want_b, want_theta = brute_force_plan(conf, caps, other, n_sampling, cost, gain,
+                                              allowed)
+        assert d.budget == want_b
+        assert d.theta_best == pytest.approx(want_theta, rel=1e-9)
+        assert d.max_budget == caps.sum() and d.trimmed == (d.budget < caps.sum())
+        # The device allocation of that budget on the same confidences realises theta_best.
+        if d.trimmed:
+            lengths = allocate_top_b(torch.as_tensor(conf), torch.as_tensor(caps), d.budget)
+            surv = np.cumprod(conf, axis=1)
+            tau = n_sampling + sum(surv[r, :lengths[r]].sum() for r in range(num_reqs))
+            t = cost.step_time_ms(num_reqs + other + d.budget, num_reqs)
+            assert tau / t == pytest.approx(d.theta_best, rel=1e-9)
+        trimmed += d.trimmed
+        full += not d.trimmed
+    assert trimmed > 20 and full > 20  # both outcomes exercised
+
+
+def guard_cost(step2_ms):
+    return CostModel.from_measurements([1, 2], [1.0, step2_ms])
+
+
+def test_min_predicted_gain_guard():
+    conf, caps = np.array([[0.5]]), np.array([1])
+    # Trimming to 0 gains 1.53 / 1.5 - 1 = 2% < 4%: verify all.
+    d = plan_budget_lagged(conf, caps, 0, 1, guard_cost(1.53))
+    assert d.budget == 1 and not d.trimmed
+    assert d.predicted_gain == pytest.approx(0.02, abs=1e-9)
+    # With a 1% guard the same plan trims.
+    d = plan_budget_lagged(conf, caps, 0, 1, guard_cost(1.53), min_predicted_gain=0.01)
+    assert d.budget == 0 and d.trimmed
+    # A large predicted gain trims under the default guard.
+    d = plan_budget_lagged(conf, caps, 0, 1, guard_cost(3.0))
+    assert d.budget == 0 and d.trimmed and d.predicted_gain == pytest.approx(1.0)
+
+
+def test_lagged_prior_for_missing_and_nan_rows():
+    cost = CostModel.from_measurements([1, 64], [10.0, 73.0])  # 9 ms + 1 ms per token
+    caps = np.array([2, 2, 2])
+    # No history at all: prior 1.0 makes every draft look certain (verify-all direction) ...
+    assert plan_budget_lagged(None, caps, 0, 3, cost).budget == 6
+    # ... while a zero prior trims everything.
+    assert plan_budget_lagged(None, caps, 0, 3, cost, prior_conf=0.0).budget == 0
+    # Row 0 known-bad, rows 1-2 missing (NaN / absent) -> prior.
+    stale = np.array([[0.0, 0.0], [np.nan, np.nan]])
+    d = plan_budget_lagged(stale, caps, 0, 3, cost, prior_conf=1.0, min_predicted_gain=0.0)
+    assert d.budget == 4
+    d = plan_budget_lagged(stale, caps, 0, 3, cost, prior_conf=0.0, min_predicted_gain=0.0)
+    assert d.budget == 0
+
+
+def test_lagged_snaps_to_allowed_budgets():
+    cost = CostModel.from_measurements([1, 4, 5, 64], [1.0, 1.0, 10.0, 80.0])
+    caps = np.array([3, 3])
+    conf = np.full((2, 3), 0.9)
+    d = plan_budget_lagged(conf, caps, 0, 2, cost)
+    assert d.budget == 2 and d.trimmed  # 4 tokens cost as little as 1
+    d = plan_budget_lagged(conf, caps, 0, 2, cost, allowed_budgets=np.array([0, 1]))
+    assert d.budget == 1
+    # Graph-aware Planner: the staircase makes 2 tokens cost as much as 4 -> fill the bucket.
+    g = CostModel.from_measurements([1, 2, 4, 8, 64], [1.0, 2.0, 2.2, 30.0, 300.0],
+                                    graph_sizes=[1, 2, 4, 8])
+    p = Planner("lagged", g)
+    b = p.plan_cpu(conf, caps, 0, 2)
+    assert b == 2 and b in g.budget_candidates(2, 6)
+    assert p.last_decision.trimmed and p.last_decision.budget == 2
+
+
+def reference_top_b(conf, caps, budget):
+    num_reqs, k = conf.shape
+    surv = np.cumprod(np.nan_to_num(conf, nan=0.0), axis=1)
+    slots = sorted((-surv[r, j], j, r) for r in range(num_reqs) for j in range(caps[r]))
+    chosen = slots[:budget]
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    for r in range(num_reqs):
+        pos = sorted(j for _, j, rr in chosen if rr == r)
+        assert pos == list(range(len(pos)))  # a prefix of every request
+        lengths[r] = len(pos)
+    return lengths
+
+
+def test_allocate_top_b_matches_reference_and_is_prefix():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        num_reqs, k = rng.integers(1, 7), rng.integers(1, 6)
+        conf = rng.uniform(0, 1, (num_reqs, k))
+        if rng.random() < 0.5:  # coarse values -> many exact ties
+            conf = np.round(conf * 2) / 2
+        caps = rng.integers(0, k + 1, num_reqs)
+        budget = int(rng.integers(0, caps.sum() + 2))
+        got = allocate_top_b(torch.as_tensor(conf, dtype=torch.float32), torch.as_tensor(caps),
+                             torch.tensor(budget))
+        assert got.dtype == torch.int64
+        np.testing.assert_array_equal(got.numpy(), reference_top_b(conf, caps, budget))
+        assert got.sum() == min(budget, caps.sum())
+        assert np.all(got.numpy() <= caps)
+
+
+def test_allocate_ties_by_position_then_request():
+    ones = torch.ones(3, 3)
+    caps = torch.tensor([3, 3, 3])
+    assert allocate_top_b(ones, caps, 4).tolist() == [2, 1, 1]
+    # Equal survivals 0.5 at (0,0), (0,1), (1,0): position wins, not request 0's later slot.
+    conf = torch.tensor([[0.5, 1.0], [0.5, 0.1]])
+    assert allocate_top_b(conf, torch.tensor([2, 2]), 2).tolist() == [1, 1]
+    assert allocate_top_b(conf, torch.tensor([2, 2]), 3).tolist() == [2, 1]
+
+
+def test_allocate_edge_budgets_and_zero_capacity():
+    conf = torch.rand(4, 5, generator=torch.Generator().manual_seed(0))
+    conf[2] = float("nan")  # NaN -> never preferred over real candidates
+    caps = torch.tensor([5, 0, 3, 2])
+    assert allocate_top_b(conf, caps, 0).tolist() == [0, 0, 0, 0]
+    assert allocate_top_b(conf, caps, 10).tolist() == [5, 0, 3, 2]
+    assert allocate_top_b(conf, caps, 100).tolist() == [5, 0, 3, 2]
+    got = allocate_top_b(conf, caps, 7)
+    assert got[1] == 0 and got[2] == 0 and got.sum() == 7
+    assert allocate_top_b(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 3).numel() == 0
+
+
+def reference_algorithm1(conf, caps, other, n_sampling, table):
+    """The paper's Algorithm 1, step by step."""
+    num_reqs, _ = conf.shape
+    a = np.cumprod(conf, axis=1)
+    cand = sorted((-a[r, j], j, r) for r in range(num_reqs) for j in range(caps[r])
+                  if a[r, j] > 0)
+    lengths = np.zeros(num_reqs, dtype=np.int64)
+    tokens, tau = num_reqs + other, float(n_sampling)
+    best, best_l = tau / table[tokens], lengths.copy()
+    for neg_a, j, r in cand:
+        lengths[r] = j + 1
+        tokens += 1
+        tau += -neg_a
+        theta = tau / table[tokens]
+        if theta > best:
+            best, best_l = theta, lengths.copy()
+        else:
+            break
+    return best_l
+
+
+def test_early_stop_matches_reference_algorithm1():
+    rng = np.random.default_rng(2)
+    outcomes = set()
+    for _ in range(300):
+        num_reqs, k = rng.integers(1, 7), rng.integers(1, 6)
+        conf = rng.uniform(0, 1, (num_reqs, k)) ** rng.uniform(0.1, 1.5)
+        conf[rng.random(conf.shape) < 0.05] = 0.0
+        caps = rng.integers(0, k + 1, num_reqs)
+        other = int(rng.integers(0, 3))
+        n_sampling = int(rng.integers(0, num_reqs + 1))
+        cost = random_cost(rng, max_tokens=64)
+        table = cost.as_tensor_table(num_reqs + other + num_reqs * k, num_reqs,
+                                     dtype=torch.float64)
+        got = early_stop_lengths(torch.as_tensor(conf), torch.as_tensor(caps), other,
+                                 n_sampling, table)
+        want = reference_algorithm1(conf, caps, other, n_sampling, table.numpy())
+        np.testing.assert_array_equal(got.numpy(), want)
+        outcomes.add((int(want.sum()) == 0, int(want.sum()) == caps.sum()))
+    assert len(outcomes) >= 3  # nothing, everything and partial plans all occur
+
+
+def test_early_stop_stops_on_exact_tie():
+    # Theta0 = 1 / 1.0, Theta1 = (1 + 0.5) / 1.5: equal, not an improvement -> stop at 0.
+    table = torch.tensor([1.0, 1.0, 1.5, 1.6])
+    conf, caps = torch.tensor([[0.5, 1.0]]), torch.tensor([2])
+    assert early_stop_lengths(conf, caps, 0, 1, table).tolist() == [0]
+    assert early_stop_lengths(conf, caps, 0, 1, torch.tensor([1.0, 1.0, 1.4, 1.5])).tolist() == [2]
+
+
+def test_early_stop_table_too_short_raises():
+    with pytest.raises(ValueError, match="step_time_table"):
+        early_stop_lengths(torch.ones(2, 3), torch.tensor([3, 3]), 0, 2, torch.ones(5))
+
+
+def test_threshold_and_fixed():
+    conf = torch.tensor([[0.9, 0.4, 0.9], [0.6, 0.7, 0.8], [0.2, 0.9, 0.9]])
+    caps = torch.tensor([3, 2, 3])
+    assert threshold_lengths(conf, caps, 0.5).tolist() == [1, 2, 0]
+    assert threshold_lengths(conf, caps, 0.6).tolist() == [1, 2, 0]  # >= threshold verifies
+    assert threshold_lengths(conf, caps, torch.tensor([0.5, 0.3, 0.85])).tolist() == [3, 2, 0]
+    assert threshold_lengths(torch.full((1, 2), float("nan")), torch.tensor([2]),
+                             0.5).tolist() == [0]
+    assert fixed_lengths(caps).tolist() == [3, 2, 3]
+
+
+def test_planner_facade():
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.2, fixed_overhead_ms=0.5)
+    conf = torch.tensor([[0.9, 0.5, 0.1, 0.1], [0.95, 0.9, 0.9, 0.2]])
+    caps = torch.tensor([4, 4])
+    with pytest.raises(ValueError):
+        Planner("global_argmax", cost)
+    with pytest.raises(ValueError):
+        Planner("lagged", None)
+    p = Planner("lagged", cost, min_predicted_gain=0.0)
+    with pytest.raises(RuntimeError):
+        p.allocate_device(conf, caps)
+    b = p.plan_cpu(conf.numpy(), caps.numpy(), 0, 2)
+    assert p.last_decision.budget == b and 0 < b < 8
+    lengths = p.allocate_device(conf, caps)
+    assert lengths.sum() == b and lengths.tolist() == allocate_top_b(conf, caps, b).tolist()
+    es = Planner("early_stop", cost)
+    assert es.plan_cpu(conf.numpy(), caps.numpy()) is None
+    table = cost.as_tensor_table(64, 2)
+    assert es.allocate_device(conf, caps).tolist() == early_stop_lengths(
+        conf, caps, 0, 2, table).tolist()
+    assert Planner("threshold", threshold=0.6).allocate_device(conf, caps).tolist() == [1, 3]
+    assert Planner("fixed").allocate_device(conf, caps).tolist() == [4, 4]
+
+
+def test_planner_warns_loudly_on_flat_table():
+    flat = CostModel.from_measurements([1, 512], [30.0, 30.01])
+    with pytest.warns(RuntimeWarning, match="flat"):
+        Planner("lagged", flat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Planner("lagged", CostModel.from_measurements([1, 512], [30.0, 60.0]))
