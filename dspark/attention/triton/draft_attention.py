@@ -21,10 +21,12 @@ from dspark.attention.triton.paged_attention import (
     LOG2E,
     _attend_paged,
     _empty,
+    _mma,
     _softmax_step,
     _store_result,
     combine_splits,
     dot_precision,
+    num_stages,
     pick_num_splits,
 )
 
@@ -83,7 +85,7 @@ def _draft_attention_kernel(
         n_ok = offs_n < BLOCK_LEN
         kt_ptrs = k_ptr + r64 * stride_kr + (offs_n * stride_kg + kvh * stride_kh)[None, :]
         kt = tl.load(kt_ptrs + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = _mma(q, kt.to(q.dtype), DOT_PRECISION) * sm_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         v_ptrs = v_ptr + r64 * stride_vr + (offs_n * stride_vg + kvh * stride_vh)[:, None]
         v = tl.load(v_ptrs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -132,10 +134,10 @@ def draft_attention(
     bn = block_n or (16 if not on_gpu else (64 if head_dim <= 128 else 32))
     rows = block_g * group_pad
     warps = 1 if not on_gpu else (4 if rows <= 64 else 8)
-    stages = 1 if not on_gpu else (3 if rows <= 64 else 2)
     if num_splits is None:
         busy = num_reqs * num_q_groups * num_kv_heads
         num_splits = pick_num_splits(q.device, busy, max_ctx_len, max_splits, min_chunk)
+    stages = num_stages(on_gpu, rows, num_splits)
     out3d = out.view(num_reqs * block_len, num_heads, head_dim)
     if num_splits > 1:
         shape = (num_splits, num_reqs * block_len, num_heads)

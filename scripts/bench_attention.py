@@ -1,0 +1,170 @@
+"""Microbenchmark of the Triton attention kernels against the machine's own ceilings (CUDA).
+
+Measures, in one run: device-to-device copy bandwidth (bytes read + written) and a bf16
+matmul rate; then decode/verify attention (batch 1/16/64/256 x context 512/2048, 1 and 4
+query tokens per request), the drafter's block attention and a 4096-token causal prefill.
+Each attention case is captured in a CUDA graph of `INNER` launches that rotate over several
+disjoint cache/table sets (so small cases do not run from L2), timed with
+`triton.testing.do_bench` (median) and reported per launch, as achieved bandwidth over the
+KV bytes that must be read (decode) or TFLOP/s (prefill), and as a ratio to the ceilings.
+
+    python scripts/bench_attention.py [--heads 32 --kv-heads 8 --head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+from dspark.attention.base import AttentionMetadata, compute_token_to_req  # noqa: E402
+from dspark.attention.triton import draft_attention as da  # noqa: E402
+from dspark.attention.triton import paged_attention as pa  # noqa: E402
+
+PAGE = 16
+INNER = 16  # launches per captured graph
+MIN_FOOTPRINT = 512 << 20  # rotate over enough sets to overflow L2 (50 MB on H200)
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_rate() -> float:
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def graph_time_ms(calls) -> float:
+    """Median time of one call, from replays of a graph that runs all `calls` INNER times."""
+    for call in calls:  # compile / warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(INNER):
+            calls[i % len(calls)]()
+    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms / INNER
+
+
+def make_sets(num_sets, num_reqs, q_len, ctx, num_kv, head_dim):
+    """Disjoint random block tables per set over one cache; KV of each set is `ctx` long."""
+    blocks_per_req = triton.cdiv(ctx, PAGE)
+    num_blocks = num_sets * num_reqs * blocks_per_req + 1
+    shape = (num_blocks, PAGE, num_kv, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    perm = (torch.randperm(num_blocks - 1, device="cuda") + 1).to(torch.int32)
+    tables = perm.view(num_sets, num_reqs, blocks_per_req)
+    mds = []
+    for s in range(num_sets):
+        cu = torch.arange(0, num_reqs + 1, device="cuda", dtype=torch.int32) * q_len
+        num_tokens = num_reqs * q_len
+        positions = (ctx - q_len + torch.arange(num_tokens, device="cuda") % q_len).long()
+        mds.append(AttentionMetadata(
+            query_start_loc=cu,
+            seq_lens=torch.full((num_reqs,), ctx, device="cuda", dtype=torch.int32),
+            block_tables=tables[s].contiguous(),
+            slot_mapping=torch.zeros(num_tokens, device="cuda", dtype=torch.int64),
+            positions=positions,
+            token_to_req=compute_token_to_req(cu, num_tokens),
+            max_query_len=q_len, max_seq_len=ctx, num_reqs=num_reqs,
+        ))
+    return k_cache, v_cache, mds
+
+
+def bench_decode(batch, ctx, q_len, args, splits=None):
+    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * 2
+    num_sets = max(1, min(8, triton.cdiv(MIN_FOOTPRINT, kv_bytes)))
+    k_cache, v_cache, mds = make_sets(num_sets, batch, q_len, ctx, args.kv_heads, args.head_dim)
+    q = torch.randn(batch * q_len, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    scale = args.head_dim**-0.5
+    calls = [
+        lambda md=md: pa.paged_attention(q, k_cache, v_cache, md, scale, out=out,
+                                         num_splits=splits)
+        for md in mds
+    ]
+    ms = graph_time_ms(calls)
+    num_q_progs = batch * args.kv_heads  # what the split heuristic sees
+    used = splits or pa.pick_num_splits(q.device, num_q_progs, ctx, 16, 128)
+    return ms, kv_bytes + 2 * q.numel() * q.element_size(), used
+
+
+def bench_draft(batch, ctx, block_len, args):
+    kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * 2
+    num_sets = max(1, min(8, triton.cdiv(MIN_FOOTPRINT, kv_bytes)))
+    k_cache, v_cache, mds = make_sets(num_sets, batch, 1, ctx, args.kv_heads, args.head_dim)
+    shape = (batch, block_len, args.heads, args.head_dim)
+    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, block_len, args.kv_heads, args.head_dim, device="cuda",
+                        dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    calls = [
+        lambda md=md: da.draft_attention(q, k, v, k_cache, v_cache, md.seq_lens,
+                                         md.block_tables, ctx, args.head_dim**-0.5, out=out)
+        for md in mds
+    ]
+    return graph_time_ms(calls), kv_bytes
+
+
+def bench_prefill(num_tokens, args):
+    k_cache, v_cache, mds = make_sets(1, 1, num_tokens, num_tokens, args.kv_heads, args.head_dim)
+    md = mds[0]
+    q = torch.randn(num_tokens, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ms = graph_time_ms([lambda: pa.paged_attention(q, k_cache, v_cache, md,
+                                                   args.head_dim**-0.5, out=out)])
+    pairs = num_tokens * (num_tokens + 1) / 2
+    return ms, 4 * args.heads * args.head_dim * pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    bw, flops = copy_bandwidth(), matmul_rate()
+    rows = []
+    for q_len in (1, 4):
+        for ctx in (512, 2048):
+            for batch in (1, 16, 64, 256):
+                ms, nbytes, splits = bench_decode(batch, ctx, q_len, args)
+                ms1, _, _ = bench_decode(batch, ctx, q_len, args, splits=1)
+                gbs = nbytes / (ms * 1e-3) / 1e9
+                rows.append(f"decode  B={batch:<4d}ctx={ctx:<5d}q={q_len}  splits={splits:<3d}"
+                            f"{ms * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs * 1e9 / bw:6.1%}"
+                            f"   (1 split: {ms1 * 1e3:7.1f} us)")
+                torch.cuda.empty_cache()
+    for batch in (1, 64):
+        ms, nbytes = bench_draft(batch, 2048, 16, args)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        rows.append(f"draft   B={batch:<4d}ctx=2048 G=16            "
+                    f"{ms * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs * 1e9 / bw:6.1%}")
+    ms, fl = bench_prefill(4096, args)
+    rows.append(f"prefill T=4096 causal                  {ms * 1e3:8.1f} us "
+                f"{fl / (ms * 1e-3) / 1e12:7.1f} TFLOP/s {fl / (ms * 1e-3) / flops:6.1%}")
+    print(f"\n{name} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE}")
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} "
+          f"TFLOP/s; decode bytes = KV read once; times per launch inside a CUDA graph")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
