@@ -96,6 +96,7 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.25
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, benchmarks)
     speculative_config: SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
 
@@ -113,6 +114,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 2")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be 'auto' or 'dummy'")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -65,8 +65,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(max_len, (self.runner.num_blocks - 1) * config.block_size)
+        self.max_model_len = self.runner.max_model_len
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.scheduler = Scheduler(

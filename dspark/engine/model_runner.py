@@ -47,7 +47,9 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     return TorchAttentionBackend()
 
 
-def load_target(model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: torch.device):
+def load_target(
+    model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: torch.device, dummy=False
+):
     cls = resolve_model_class(model_cfg.architectures)
     with torch.device("meta"):
         model = cls(model_cfg)
@@ -56,6 +58,15 @@ def load_target(model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: t
     model.rotary.inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope).to(device)
     if model_cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if dummy:  # random weights for benchmarks (load_format="dummy")
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        return model.eval()
     load_weights(
         model,
         path,
@@ -75,14 +86,18 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_target(model_cfg, config.model, dtype, device)
+        dummy = config.load_format == "dummy"
+        self.model = load_target(model_cfg, config.model, dtype, device, dummy)
         self.backend = select_backend(config.attention_backend, device)
         self.spec = None
         if config.speculative_config is not None:
             from dspark.spec.decoder import SpecDecoder
 
             self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype, self.backend)
+        self.aux_layer_ids = self.spec.aux_layer_ids if self.spec is not None else ()
         self.num_blocks = self._num_kv_blocks()
+        max_len = config.max_model_len or model_cfg.max_position_embeddings
+        self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
         shape = (model_cfg.num_hidden_layers, self.num_blocks, self.block_size)
         kv_shape = (*shape, model_cfg.num_key_value_heads, model_cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -90,8 +105,16 @@ class ModelRunner:
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(shape[0])]
         if self.spec is not None:
             self.spec.allocate_cache(self.num_blocks, self.block_size)
-            if self.spec.needs_cost_model:
-                self._install_cost_model()
+        self.graphs = None
+        if device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+            from dspark.engine.cuda_graph import CudaGraphRunner
+
+            k = self.spec.k if self.spec is not None else 0
+            max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k), 1024)
+            self.graphs = CudaGraphRunner(self, max_query_len=1 + k, max_tokens=max_tokens)
+            self.graphs.capture()
+        if self.spec is not None and self.spec.needs_cost_model:
+            self._install_cost_model()
         logger.info(
             "KV cache: %d blocks x %d tokens (%s, %s backend)",
             self.num_blocks, self.block_size, device, self.backend.name,
@@ -164,10 +187,7 @@ class ModelRunner:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
             finalize(inp, None, None, None)
-        aux_ids = self.spec.aux_layer_ids if self.spec is not None else ()
-        ctx = ForwardContext(inp.attn_metadata(), self.backend, self.kv_caches)
-        with forward_context(ctx):
-            hidden, aux = self.model(inp.input_ids, inp.positions, aux_ids)
+        hidden, aux = self.forward(inp.input_ids, inp.attn_metadata(), inp.num_tokens)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.spec is not None:
             out, num_out = self.spec.verify(logits, inp)
@@ -184,6 +204,15 @@ class ModelRunner:
         if done is not None:
             done.synchronize()
         return self._unpack(host.numpy(), inp, out.shape[1], rows)
+
+    def forward(self, input_ids: torch.Tensor, md, num_tokens: int):
+        """Target forward over a ragged stream: CUDA-graph replay when a bucket fits."""
+        if self.graphs is not None:
+            t = self.graphs.bucket_for(num_tokens, md.num_reqs, md.max_query_len)
+            if t is not None:
+                return self.graphs.run_raw(input_ids, md, num_tokens, t)
+        with forward_context(ForwardContext(md, self.backend, self.kv_caches)):
+            return self.model(input_ids, md.positions, self.aux_layer_ids)
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs):
         n = inp.num_logits

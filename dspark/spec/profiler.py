@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from dspark.attention.base import AttentionMetadata, compute_token_to_req
-from dspark.forward_context import ForwardContext, forward_context
 from dspark.spec.cost_model import CostModel, make_provenance, median_of_repeats
 
 logger = logging.getLogger(__name__)
@@ -64,16 +63,13 @@ def profile_cost_model(
     spec = runner.spec
     k = spec.k if spec is not None else 0
     max_tokens = max_tokens or min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k))
-    aux_ids = spec.aux_layer_ids if spec is not None else ()
     counts, times = [], []
     for n in default_token_counts(max_tokens):
         num_reqs = max(1, min(cfg.max_num_seqs, n))
         ids, md = _dummy_batch(runner, n, num_reqs, context_len)
 
-        def target_step(ids=ids, md=md):
-            ctx = ForwardContext(md, runner.backend, runner.kv_caches)
-            with forward_context(ctx):
-                hidden, _ = runner.model(ids, md.positions, aux_ids)
+        def target_step(ids=ids, md=md, n=n):
+            hidden, _ = runner.forward(ids, md, n)  # CUDA-graph replay where a bucket fits
             runner.model.compute_logits(hidden)
 
         counts.append(n)
@@ -86,12 +82,15 @@ def profile_cost_model(
             draft_reqs.append(r)
             step = _draft_step(runner, r, context_len)
             draft_times.append(median_of_repeats(step, repeats, warmup))
+    graph_sizes = runner.graphs.buckets if runner.graphs is not None else None
     prov = make_provenance(
         model=cfg.model, dtype=str(runner.dtype).replace("torch.", ""),
         device_name=_device_name(runner.device), num_speculative_tokens=k,
-        context_len=context_len, source="profiled",
+        context_len=context_len, source="profiled", graph_sizes=graph_sizes,
     )  # fmt: skip
-    return CostModel.from_measurements(counts, times, draft_reqs, draft_times, 0.0, prov)
+    return CostModel.from_measurements(
+        counts, times, draft_reqs, draft_times, 0.0, prov, graph_sizes=graph_sizes
+    )
 
 
 def _draft_step(runner, num_reqs: int, context_len: int):

@@ -90,8 +90,8 @@ def verify(
     chunk = max_chunk_rows if max_chunk_rows is not None else default_chunk_rows(vocab)
     if chunk < 1:
         raise ValueError(f"max_chunk_rows must be >= 1, got {chunk}")
-    if num_reqs == 0:
-        return drafts.new_empty((0, k + 1)), drafts.new_empty((0,))
+    if num_reqs == 0 or num_rows == 0:  # nothing to verify: every request is padding
+        return drafts.new_full((num_reqs, k + 1), -1), drafts.new_zeros((num_reqs,))
 
     cu = inp.cu_num_logits.to(dev, torch.int64)
     starts = cu[:-1]
@@ -122,8 +122,7 @@ def verify(
         slot = j.clamp(max=max(k - 1, 0))
         has_draft = valid & (j < num_drafts[req])
         d = safe_drafts[req, slot] if k > 0 else torch.zeros_like(t)
-        rows = logits[s : s + t.numel()]
-        rows = torch.where(valid.unsqueeze(1), rows, torch.zeros_like(rows))  # junk padding
+        rows = logits[s : s + t.numel()].masked_fill(~valid.unsqueeze(1), 0.0)  # junk padding
         probs = processed_probs(rows, *sampling.rows(req))
         flat = torch.where(valid, req * (k + 1) + j, torch.full_like(t, num_reqs * (k + 1)))
         pt_d = probs.gather(1, d.unsqueeze(1)).squeeze(1).double()
@@ -155,9 +154,7 @@ def verify(
         weight = torch.ones(num_reqs, k + 1, dtype=torch.float64, device=dev)
     else:
         weight = block_verify.prefix_weights(pt_draft[:, :k], pd_draft)
-        n_sampled = block_verify.block_tau(
-            weight, res_mass, num_drafts, seeds, anchors, rounds
-        )
+        n_sampled = block_verify.block_tau(weight, res_mass, num_drafts, seeds, anchors, rounds)
     n_acc = torch.where(greedy, n_greedy, n_sampled).clamp(min=0)
 
     # ---- pass 2: the final row of each request (residual at a rejection, else bonus).
@@ -169,8 +166,7 @@ def verify(
         is_res = n < num_drafts[r]  # a draft was rejected at slot n
         slot = n.clamp(max=max(k - 1, 0))
         row = (starts[r] + n).clamp(0, max(num_rows - 1, 0))
-        rows = logits[row]
-        rows = torch.where(live[r].unsqueeze(1), rows, torch.zeros_like(rows))
+        rows = logits[row].masked_fill(~live[r].unsqueeze(1), 0.0)
         probs = processed_probs(rows, *sampling.rows(r))
         if k > 0:
             pw = weight[r, n.clamp(max=k)].float()
