@@ -1,0 +1,195 @@
+"""`dspark serve`: the OpenAI-compatible server.
+
+    dspark serve --model path/to/target \
+        --speculative-config '{"method": "dspark", "model": "path/to/drafter"}' --port 8000
+
+Binds 127.0.0.1 unless --host says otherwise. With --api-key (or DSPARK_API_KEY) every /v1
+route needs `Authorization: Bearer KEY`. SIGTERM (or Ctrl-C) stops accepting requests, lets
+in-flight ones finish for up to --shutdown-timeout seconds, aborts the rest, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+logger = logging.getLogger("dspark.serve")
+
+DEFAULT_MODEL_NAME = "dspark-default"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", default=None, help="target checkpoint folder (default: the bundled model)")
+    a("--speculative-config", default=None, metavar="JSON",
+      help='speculative decoding, same keys as the offline API, e.g. '
+           '\'{"method": "dspark", "model": "path/to/drafter", "num_speculative_tokens": 7}\'')
+    a("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, local only)")
+    a("--port", type=int, default=8000)
+    a("--api-key", default=None, help="require this bearer token (default: $DSPARK_API_KEY)")
+    a("--served-model-name", default=None, help="model id in the API (default: --model)")
+    a("--max-num-seqs", type=_positive_int, default=256)
+    a("--max-model-len", type=_positive_int, default=None)
+    a("--max-num-batched-tokens", type=_positive_int, default=2048)
+    a("--block-size", type=_positive_int, default=16)
+    a("--num-kv-blocks", type=_positive_int, default=None, help="override the KV cache size")
+    a("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    a("--seed", type=int, default=0)
+    a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--max-waiting", type=_positive_int, default=1024,
+      help="waiting requests beyond which new ones get 503 + Retry-After")
+    a("--max-body-bytes", type=_positive_int, default=1 << 20, help="request body limit (413)")
+    a("--shutdown-timeout", type=float, default=30.0,
+      help="seconds in-flight requests may take to finish after SIGTERM before being aborted")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])  # fmt: skip
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+class ServeError(Exception):
+    """A configuration problem reported as one line and exit code 2."""
+
+
+def _default_model() -> tuple[str, str | None, bool]:
+    try:
+        from dspark.demo import default_model_paths
+    except ImportError:
+        raise ServeError("--model is required (no bundled default model is available)") from None
+    return default_model_paths()
+
+
+def _speculative_config(text: str | None, default_drafter: str | None) -> dict | None:
+    if text is None:
+        return {"method": "dspark", "model": default_drafter} if default_drafter else None
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ServeError("--speculative-config must be a JSON object")
+    if "model" not in spec and default_drafter:
+        spec["model"] = default_drafter
+    return spec
+
+
+def build_engine_config(args: argparse.Namespace):
+    """(EngineConfig, served model name, is_gibberish). Raises ServeError."""
+    from dspark.config import EngineConfig
+
+    model, drafter, gibberish = args.model, None, False
+    if model is None:
+        model, drafter, gibberish = _default_model()
+    if not os.path.isdir(model):
+        raise ServeError(f"--model {model!r} is not a checkpoint folder")
+    spec = _speculative_config(args.speculative_config, drafter)
+    try:
+        config = EngineConfig(
+            model=model, device=args.device, dtype=args.dtype, seed=args.seed,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
+            speculative_config=spec,
+        )  # fmt: skip
+    except (ValueError, TypeError) as e:
+        raise ServeError(f"invalid configuration: {e}") from None
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    return config, name, gibberish
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
+    try:
+        config, name, gibberish = build_engine_config(args)
+    except ServeError as e:
+        print(f"dspark serve: error: {e}", file=sys.stderr)
+        return 2
+    if gibberish:
+        logger.warning(
+            "serving the bundled default model %s: it is a tiny RANDOM model, so its text is "
+            "gibberish. Pass --model to serve a real checkpoint.", config.model,
+        )  # fmt: skip
+    import uvicorn
+
+    from dspark.engine.async_engine import AsyncLLMEngine
+    from dspark.server.api import build_app
+
+    try:
+        engine = AsyncLLMEngine.from_config(config)
+    except Exception as e:  # noqa: BLE001 - report any loading failure plainly
+        print(f"dspark serve: error: cannot load the engine: {e}", file=sys.stderr)
+        return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it",
+                       args.host)  # fmt: skip
+    app = build_app(engine, name, api_key, args.max_body_bytes, args.max_waiting)
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False,
+    )  # fmt: skip
+    server = GracefulServer(uv_config, engine, args.shutdown_timeout)
+    logger.info("serving %r (max_model_len=%d) on http://%s:%d", name, engine.max_model_len,
+                args.host, args.port)  # fmt: skip
+    server.run()
+    return 0 if engine.dead_error is None else 1
+
+
+def _graceful_server_class():
+    import uvicorn
+
+    class _GracefulServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: stop accepting, let the engine drain (aborting what is left
+        after the timeout, so streams end cleanly), then let uvicorn close."""
+
+        def __init__(self, config, engine, drain_timeout_s: float):
+            super().__init__(config)
+            self.engine, self.drain_timeout_s = engine, drain_timeout_s
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                logger.info("shutting down: finishing in-flight requests (up to %g s)",
+                            self.drain_timeout_s)  # fmt: skip
+                self.engine.begin_drain(self.drain_timeout_s)
+            super().handle_exit(sig, frame)
+            # a graceful shutdown exits 0 instead of re-raising the signal
+            getattr(self, "_captured_signals", []).clear()
+
+    return _GracefulServer
+
+
+def GracefulServer(config, engine, drain_timeout_s: float):  # noqa: N802 - a class factory
+    return _graceful_server_class()(config, engine, drain_timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
