@@ -16,6 +16,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager
+from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
@@ -57,6 +58,7 @@ class LLMEngine:
         else:
             self.dtype = parse_dtype(config.dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None:
             if self.tokenizer.eos_token_id is not None:
@@ -213,24 +215,15 @@ class LLMEngine:
         elif tok in req.stop_token_ids:
             req.stop_reason = tok
             self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif params.stop_strings and self._hit_stop_string(req):
+        elif params.stop_strings and self.detokenizer.find_stop(
+            req, self.detokenizer.update(req)
+        ):
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
         elif req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
         return req.is_finished
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        text = self.decode(req.output_token_ids)
-        for stop in req.params.stop_strings:
-            i = text.find(stop)
-            if i >= 0:
-                keep = i + len(stop) if req.params.include_stop_str_in_output else i
-                req.output_text = text[:keep]
-                req.stop_reason = stop
-                return True
-        return False
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -243,13 +236,14 @@ class LLMEngine:
             req.slot = -1
 
     def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.detokenizer.decode(token_ids)
 
     def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        if not (req.is_finished and isinstance(req.stop_reason, str)):
-            req.output_text = self.decode(req.output_token_ids)
+        if not isinstance(req.stop_reason, str):  # a stop string already fixed the text
+            self.detokenizer.update(req)
+            if req.is_finished and req.read_offset < req.num_output_tokens:
+                # flush a held-back tail (e.g. an incomplete character at the very end)
+                req.output_text = self.decode(req.output_token_ids)
         finish = req.status.value if req.is_finished else None
         spec = req.spec.as_dict() if self.runner.spec is not None else None
         if req.is_finished:

@@ -130,8 +130,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.output_text = ""  # detokenized text of the outputs (maintained by the engine)
-        self.text_offset = 0  # tokens already detokenized into output_text
+        self.output_text = ""  # detokenized text of the outputs (maintained incrementally)
+        self.prefix_offset = 0  # output index where the detokenizer's decode window starts
+        self.read_offset = 0  # output tokens already turned into output_text
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,11 @@ from dspark import LLM, SamplingParams
 from dspark.attention.base import AttentionMetadata, compute_token_to_req
 from dspark.testing.drafters import make_tiny_drafter
 
+
+def CudaLLM(path, **kwargs):  # noqa: N802 - a small KV cache: several engines share the GPU
+    return LLM(path, device="cuda", num_kv_blocks=4096, **kwargs)
+
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -32,7 +37,7 @@ def _ragged(runner, q_lens, context):
 def test_graph_replay_equals_eager_with_changing_boundaries(ckpt_dir, tmp_path):
     path = ckpt_dir("qwen3_gqa2")
     spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path), "num_speculative_tokens": 4}
-    llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=16, speculative_config=spec)
+    llm = CudaLLM(path, dtype="float32", max_num_seqs=16, speculative_config=spec)
     runner = llm.engine.runner
     assert runner.graphs is not None
     gen = torch.Generator().manual_seed(0)
@@ -58,8 +63,8 @@ def test_verify_graphs_with_adaptive_lengths_match_enforce_eager(ckpt_dir, tmp_p
             "confidence_threshold": 0.5}  # fmt: skip
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    graph = LLM(path, device="cuda", dtype="float32", speculative_config=spec)
-    eager = LLM(path, device="cuda", dtype="float32", speculative_config=spec, enforce_eager=True)
+    graph = CudaLLM(path, dtype="float32", speculative_config=spec)
+    eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
     assert graph.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     a = graph.generate(prompts, params)
     b = eager.generate(prompts, params)

@@ -11,6 +11,11 @@ import transformers
 from dspark import LLM, SamplingParams
 from dspark.testing.drafters import make_tiny_drafter
 
+
+def CudaLLM(path, **kwargs):  # noqa: N802 - a small KV cache: several engines share the GPU
+    return LLM(path, device="cuda", num_kv_blocks=4096, **kwargs)
+
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 57)), [3], list(range(100, 160))]
@@ -29,7 +34,7 @@ def _hf(path, dtype):
 def test_fp32_token_for_token(ckpt_dir, shape):
     path = ckpt_dir(shape)
     hf = _hf(path, torch.float32)
-    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=32, block_size=16)
+    llm = CudaLLM(path, dtype="float32", max_num_batched_tokens=32, block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     for p, o in zip(PROMPTS, outs):
@@ -41,7 +46,7 @@ def test_fp32_token_for_token(ckpt_dir, shape):
 def test_bf16_logits_close_and_divergence_only_at_near_ties(ckpt_dir):
     path = ckpt_dir("qwen3_gqa2", dtype="bfloat16")
     hf = _hf(path, torch.bfloat16)
-    llm = LLM(path, device="cuda", dtype="bfloat16", block_size=16)
+    llm = CudaLLM(path, dtype="bfloat16", block_size=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     worst = 0.0
@@ -90,11 +95,9 @@ def test_speculative_identity_on_cuda(ckpt_dir, tmp_path, dtype):
     drafter = make_tiny_drafter(str(tmp_path / "d"), path, seed=3, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    base = LLM(path, device="cuda", dtype=dtype).generate(prompts, params)
+    base = CudaLLM(path, dtype=dtype).generate(prompts, params)
     for policy in ("fixed", "lagged", "early_stop", "threshold"):
         spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": policy}
-        outs = LLM(path, device="cuda", dtype=dtype, speculative_config=spec).generate(
-            prompts, params
-        )
+        outs = CudaLLM(path, dtype=dtype, speculative_config=spec).generate(prompts, params)
         for a, b in zip(base, outs):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, policy

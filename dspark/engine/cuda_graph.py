@@ -1,0 +1,118 @@
+"""CUDA graphs for decode and verify steps, keyed by token-count bucket.
+
+A graph is captured per bucket of T tokens with R = min(T, max_num_seqs) request rows and a
+promised maximum query length of 1 + K, so one graph serves any mix of 1..1+K tokens per
+row. Replay copies the step's inputs into persistent buffers: tokens past the real ones are
+padding (token 0, position 0, the sentinel slot) and rows past the real ones have zero length
+(query_start_loc repeats the total). The token->request map is recomputed inside the graph
+from the device query_start_loc, so changing ragged boundaries replay exactly like eager.
+Steps with longer queries (prefill chunks) or more tokens than the largest bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata, compute_token_to_req
+from dspark.engine.input_batch import StepInputs
+from dspark.forward_context import ForwardContext, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def default_buckets(max_tokens: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
+    sizes += [640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    return [s for s in sizes if s <= max_tokens] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, max_query_len: int, max_tokens: int):
+        self.runner = runner
+        self.max_query_len = max_query_len
+        self.buckets = default_buckets(max_tokens)
+        cfg = runner.config
+        self.max_reqs = cfg.max_num_seqs
+        dev = runner.device
+        t, r = self.buckets[-1], min(self.buckets[-1], self.max_reqs)
+        max_blocks = -(-runner.max_model_len // runner.block_size) + 1
+        self.max_seq_len = runner.max_model_len
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((t,), SENTINEL_SLOT, dtype=torch.int64, device=dev)
+        self.qsl = torch.zeros(r + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(r, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.pool = None
+
+    def _forward(self, t: int):
+        r = min(t, self.max_reqs)
+        qsl = self.qsl[: r + 1]
+        md = AttentionMetadata(
+            query_start_loc=qsl, seq_lens=self.seq_lens[:r], block_tables=self.block_tables[:r],
+            slot_mapping=self.slot_mapping[:t], positions=self.positions[:t],
+            token_to_req=compute_token_to_req(qsl, t), max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len, num_reqs=r,
+        )  # fmt: skip
+        rn = self.runner
+        with forward_context(ForwardContext(md, rn.backend, rn.kv_caches)):
+            return rn.model(self.input_ids[:t], self.positions[:t], rn.aux_layer_ids)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for t in reversed(self.buckets):  # largest first: later graphs reuse its pool
+            r = min(t, self.max_reqs)
+            # a valid dummy batch: r rows sharing the tokens, every token in the sentinel slot
+            base = torch.arange(r + 1, dtype=torch.int32, device=self.qsl.device) * (t // r)
+            base[-1] = t
+            self.qsl[: r + 1] = base
+            self.seq_lens[:r] = torch.diff(base).to(torch.int32)
+            self.positions[:t] = 0
+            for _ in range(2):  # warm up (Triton autotuning / compilation) outside the graph
+                self._forward(t)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._forward(t)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[t], self.outputs[t] = g, out
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs for token buckets %s", len(self.graphs), self.buckets)
+
+    def bucket_for(self, num_tokens: int, num_reqs: int, max_query_len: int) -> int | None:
+        if max_query_len > self.max_query_len:
+            return None
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t if num_reqs <= min(t, self.max_reqs) else None
+        return None
+
+    def run(self, inp: StepInputs, t: int):
+        md = inp.attn_metadata()
+        return self.run_raw(inp.input_ids, md, inp.num_tokens, t)
+
+    def run_raw(self, input_ids: torch.Tensor, md: AttentionMetadata, n: int, t: int):
+        r = md.num_reqs
+        r_cap = min(t, self.max_reqs)
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:t].zero_()
+        self.positions[:n].copy_(md.positions)
+        self.positions[n:t].zero_()
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        self.slot_mapping[n:t].fill_(SENTINEL_SLOT)
+        self.qsl[: r + 1].copy_(md.query_start_loc)
+        self.qsl[r + 1 : r_cap + 1] = self.qsl[r]  # zero-length padding rows (device copy)
+        self.seq_lens[:r].copy_(md.seq_lens)
+        self.seq_lens[r:r_cap].zero_()
+        nb = md.block_tables.shape[1]
+        self.block_tables[:r, :nb].copy_(md.block_tables)
+        self.block_tables[:r, nb:].zero_()
+        self.block_tables[r:r_cap].zero_()
+        self.graphs[t].replay()
+        hidden, aux = self.outputs[t]
+        return hidden[:n], None if aux is None else aux[:n]

@@ -1,0 +1,61 @@
+"""Incremental detokenization and stop-string matching.
+
+Decoding a request's whole output every step costs O(n) per token. Instead each request keeps
+two offsets into its output tokens: text is produced by decoding a short window that starts a
+few tokens back (`prefix_offset`), so byte-level BPE pieces that only form a character
+together are decoded correctly; a window that still ends in an incomplete character (U+FFFD)
+is held back until the next token completes it.
+"""
+
+from __future__ import annotations
+
+from dspark.engine.request import Request
+
+_REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None or not token_ids:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def update(self, req: Request) -> str:
+        """Append the text of req's new output tokens to req.output_text; return the delta."""
+        if self.tokenizer is None:
+            return ""
+        out = req.token_ids[req.num_prompt_tokens :]
+        prefix = self.decode(out[req.prefix_offset : req.read_offset])
+        full = self.decode(out[req.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""  # nothing printable yet (an incomplete multi-byte character)
+        delta = full[len(prefix) :]
+        req.output_text += delta
+        req.prefix_offset = req.read_offset
+        req.read_offset = len(out)
+        return delta
+
+    def find_stop(self, req: Request, delta: str) -> bool:
+        """Check req's stop strings against the newly added text; on a hit, truncate
+        output_text (keeping the stop string only if asked) and set stop_reason."""
+        if not delta:
+            return False
+        stops = req.params.stop_strings
+        text = req.output_text
+        longest = max(len(s) for s in stops)
+        start = max(0, len(text) - len(delta) - longest + 1)  # a match may straddle the delta
+        best = None
+        for stop in stops:
+            i = text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return False
+        i, stop = best
+        keep = i + len(stop) if req.params.include_stop_str_in_output else i
+        req.output_text = text[:keep]
+        req.stop_reason = stop
+        return True

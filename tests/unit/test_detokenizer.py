@@ -1,0 +1,61 @@
+"""Incremental detokenization equals full decoding; stop strings cut at the right place."""
+
+import random
+
+from transformers import AutoTokenizer
+
+from dspark import LLM, SamplingParams
+from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.request import Request
+
+
+def _feed(tok, ids, stops=None):
+    detok = Detokenizer(tok)
+    req = Request("r", [1], SamplingParams(stop=stops), [], seed=0)
+    hit = False
+    for t in ids:
+        req.token_ids.append(t)
+        delta = detok.update(req)
+        if stops and detok.find_stop(req, delta):
+            hit = True
+            break
+    return req, hit
+
+
+def test_incremental_equals_full_decode_with_multibyte_text(tiny_qwen):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    text = "def f(x):\n    return 'héllo wörld – ✓ 你好' + str(x) * 3\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 20
+    req, _ = _feed(tok, ids)
+    assert req.output_text == tok.decode(ids) == text
+    # every intermediate text is a prefix of the final one (nothing is ever taken back)
+    detok = Detokenizer(tok)
+    req = Request("r", [1], SamplingParams(), [], seed=0)
+    for t in ids:
+        req.token_ids.append(t)
+        detok.update(req)
+        assert text.startswith(req.output_text)
+
+
+def test_stop_string_straddling_tokens(tiny_qwen):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    text = "alpha beta STOP gamma"
+    ids = tok.encode(text, add_special_tokens=False)
+    req, hit = _feed(tok, ids, stops=["ST" + "OP", "zzz"])
+    assert hit and req.output_text == "alpha beta " and req.stop_reason == "STOP"
+    assert tok.decode(req.token_ids[1:]).startswith("alpha beta ST")
+
+
+def test_engine_stop_strings_match_full_decode(tiny_qwen):
+    llm = LLM(tiny_qwen, device="cpu")
+    free = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=40))[0]
+    text = free.outputs[0].text
+    rnd = random.Random(0)
+    cut = rnd.randrange(5, len(text) - 3)
+    stop = text[cut : cut + 3]
+    first = text.find(stop)
+    out = llm.generate(["def add(a, b):"],
+                       SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]  # fmt: skip
+    assert out.outputs[0].text == text[:first]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
