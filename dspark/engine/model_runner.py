@@ -113,6 +113,9 @@ class ModelRunner:
             max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k), 1024)
             self.graphs = CudaGraphRunner(self, max_query_len=1 + k, max_tokens=max_tokens)
             self.graphs.capture()
+            if self.spec is not None:
+                max_blocks = -(-self.max_model_len // self.block_size) + 1
+                self.spec.capture_graphs(config.max_num_seqs, self.max_model_len, max_blocks)
         if self.spec is not None and self.spec.needs_cost_model:
             self._install_cost_model()
         logger.info(

@@ -25,7 +25,7 @@ from dspark.spec.confidence import (
     load_sts,
 )
 from dspark.spec.planner import Planner
-from dspark.spec.verify import VerifyInputs, verify
+from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class SpecDecoder:
             self.planner = Planner(self._policy, threshold=sc.confidence_threshold)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_budget: int | None = None
+        self.draft_graphs = None
 
     # -- memory ---------------------------------------------------------------------------
     def cache_bytes_per_block(self, block_size: int) -> int:
@@ -100,6 +101,12 @@ class SpecDecoder:
         k = torch.zeros(shape, dtype=dtype, device=self.device)
         v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(k[i], v[i]) for i in range(d.num_layers)]
+
+    def capture_graphs(self, max_reqs: int, max_ctx_len: int, max_blocks: int) -> None:
+        from dspark.spec.draft_graph import DraftGraphRunner
+
+        self.draft_graphs = DraftGraphRunner(self, max_reqs, max_ctx_len, max_blocks)
+        self.draft_graphs.capture()
 
     def set_cost_model(self, cost, status: str) -> None:
         """Install the cost model (loaded or profiled) and build the planner."""
@@ -163,6 +170,10 @@ class SpecDecoder:
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
         slots = inp.slots
+        if inp.all_greedy:
+            out, num_out = verify_greedy(logits, inp.cu_num_logits, self.draft_tokens[slots])
+            self._after_verify(inp, out, num_out)
+            return out, num_out
         vin = VerifyInputs(
             target_logits=logits,
             cu_num_logits=inp.cu_num_logits,
@@ -177,6 +188,11 @@ class SpecDecoder:
             rounds=inp.rounds,
         )
         out, num_out = verify(vin, self.sc.rejection_sample_method)
+        self._after_verify(inp, out, num_out)
+        return out, num_out
+
+    def _after_verify(self, inp: StepInputs, out: torch.Tensor, num_out: torch.Tensor) -> None:
+        slots = inp.slots
         if self.trace is not None:
             self._record(inp, num_out)
         if self.estimator is not None and inp.max_capacity > 0:
@@ -185,7 +201,6 @@ class SpecDecoder:
             accepted = torch.where(has, (num_out - 1).clamp(min=0), 0)
             self.estimator.observe(self.features[slots], verified, accepted)
             self.estimator.maybe_refit()
-        return out, num_out
 
     def start_trace(self) -> None:
         """Record, per step, the confidences and outcomes of every verified block (for
@@ -213,11 +228,17 @@ class SpecDecoder:
         last = (num_out - 1).clamp(min=0)
         anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
         anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
-        draft = d.propose(
-            anchors, anchor_pos, inp.block_tables, inp.max_seq_len + self.k + 1,
-            self.kv_caches, self.backend, self.k, inp.temperature, inp.seeds, inp.rounds + 1,
-            self.sc.draft_sample_method,
-        )  # fmt: skip
+        draft = None
+        if self.draft_graphs is not None:
+            draft = self.draft_graphs.run(
+                anchors, anchor_pos, inp.block_tables, inp.temperature, inp.seeds, inp.rounds + 1
+            )
+        if draft is None:
+            draft = d.propose(
+                anchors, anchor_pos, inp.block_tables, inp.max_seq_len + self.k + 1,
+                self.kv_caches, self.backend, self.k, inp.temperature, inp.seeds,
+                inp.rounds + 1, self.sc.draft_sample_method,
+            )  # fmt: skip
         slots = inp.slots
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None:

@@ -221,3 +221,35 @@ class _SamplingParams:
             return None if x is None else x[req]
 
         return g(self.temperature), g(self.top_k), g(self.top_p), g(self.min_p)
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,  # [N, V] ragged rows (see VerifyInputs)
+    cu_num_logits: torch.Tensor,  # [R+1]
+    draft_token_ids: torch.Tensor,  # [R, K]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast path when every request is greedy (temperature 0): a draft is accepted iff it
+    equals the target's argmax, and the emitted tokens are the target argmaxes up to and
+    including the first mismatch. Same result as `verify` for greedy rows, a handful of
+    kernels instead of the probability pipeline."""
+    dev = target_logits.device
+    num_rows = target_logits.shape[0]
+    drafts = draft_token_ids.to(dev, torch.int64)
+    num_reqs, k = drafts.shape
+    out = drafts.new_full((num_reqs, k + 1), -1)
+    if num_reqs == 0 or num_rows == 0:
+        return out, drafts.new_zeros((num_reqs,))
+    cu = cu_num_logits.to(dev, torch.int64)
+    num_drafts = cu[1:] - cu[:-1] - 1  # l_r; -1 for padding requests
+    t = torch.arange(num_rows, device=dev)
+    req, j, valid = _map_rows(t, cu, num_reqs, k)
+    flat = torch.where(valid, req * (k + 1) + j, torch.full_like(t, num_reqs * (k + 1)))
+    argmax = torch.full(((num_reqs + 1) * (k + 1),), -1, dtype=torch.int64, device=dev)
+    argmax.scatter_(0, flat, target_logits.argmax(dim=-1))
+    argmax = argmax.view(num_reqs + 1, k + 1)[:num_reqs]
+    slots = torch.arange(k, device=dev)
+    match = (drafts == argmax[:, :k]) & (slots < num_drafts.unsqueeze(1))
+    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    emitted = torch.where(num_drafts >= 0, accepted + 1, torch.zeros_like(accepted))
+    keep = torch.arange(k + 1, device=dev) < emitted.unsqueeze(1)
+    return torch.where(keep, argmax, out), emitted

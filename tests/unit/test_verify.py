@@ -691,3 +691,30 @@ def test_cuda_no_host_sync_and_matches_cpu(method):
         torch.cuda.set_sync_debug_mode("default")
     # argmax / ties may differ across devices only with exactly equal logits: compare
     assert torch.equal(num.cpu(), ref[1]) and torch.equal(out.cpu(), ref[0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_fast_path_equals_general_verify(seed):
+    from dspark.spec.verify import verify_greedy
+
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, k, vocab = 9, 4, 6
+    lens = torch.randint(-1, k + 1, (num_reqs,), generator=gen)  # -1: padding request
+    cu = torch.zeros(num_reqs + 1, dtype=torch.int64)
+    cu[1:] = (lens + 1).cumsum(0)
+    logits = torch.randn(int(cu[-1]) + 3, vocab, generator=gen)  # 3 junk rows at the end
+    # drafts that often match the target argmax, so acceptance runs vary
+    rows = torch.arange(num_reqs).unsqueeze(1) * 0 + cu[:-1].unsqueeze(1) + torch.arange(k)
+    best = logits[rows.clamp(max=logits.shape[0] - 1)].argmax(-1)
+    noise = torch.randint(0, vocab, (num_reqs, k), generator=gen)
+    drafts = torch.where(torch.rand(num_reqs, k, generator=gen) < 0.7, best, noise)
+    inp = VerifyInputs(
+        target_logits=logits, cu_num_logits=cu, draft_token_ids=drafts, draft_probs=None,
+        temperature=torch.zeros(num_reqs), top_k=None, top_p=None, min_p=None,
+        seeds=torch.arange(num_reqs), anchor_positions=torch.full((num_reqs,), 5),
+        rounds=torch.zeros(num_reqs, dtype=torch.int64),
+    )  # fmt: skip
+    want_out, want_n = verify(inp)
+    got_out, got_n = verify_greedy(logits, cu, drafts)
+    assert torch.equal(got_n, want_n) and torch.equal(got_out, want_out)
+    assert (want_n > 1).any()  # some drafts were accepted
