@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from dspark.layers.norm import RMSNorm, fused_ops
+
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     theta = float(rope.get("rope_theta", 10000.0))
@@ -36,6 +38,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """RoPE on [..., H, D] heads; positions [...] match the leading dims. On CUDA the fused
+    Triton kernel computes the same values (incl. the roundings to the activation dtype)."""
+
     def __init__(self, head_dim: int, rope: dict):
         super().__init__()
         self.head_dim = head_dim
@@ -46,15 +51,41 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _fused(self, *tensors: torch.Tensor):
+        """The fused-kernel module if it takes these tensors (same dtype, even head_dim)."""
+        x = tensors[0]
+        if x.dim() < 3 or x.shape[-1] % 2 or any(t.dtype != x.dtype for t in tensors):
+            return None
+        return fused_ops(*tensors)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q [T, H, D], k [T, Hkv, D], positions [T] (any leading shape matching q[..., 0, 0])
+        ops = self._fused(q, k)
+        if ops is not None:
+            return ops.qk_norm_rope(positions, q, k, self.inv_freq.float())
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def norm_forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm, k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(positions, q_norm(q), k_norm(k)) (per-head q/k norm then RoPE): one kernel."""
+        ops = self._fused(q, k, q_norm.weight, k_norm.weight)
+        if ops is not None:
+            return ops.qk_norm_rope(
+                positions, q, k, self.inv_freq.float(), q_norm.weight, k_norm.weight,
+                q_norm.eps, k_norm.eps,
+            )  # fmt: skip
+        return self(positions, q_norm(q), k_norm(k))
+
     def apply_one(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ops = self._fused(x)
+        if ops is not None:
+            return ops.qk_norm_rope(positions, x, None, self.inv_freq.float())[0]
         cos, sin = self.cos_sin(positions, x.dtype)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return x * cos + _rotate_half(x) * sin

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.forward_context import get_forward_context
-from dspark.layers.norm import RMSNorm
+from dspark.layers.norm import RMSNorm, fused_ops
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.config import ModelConfig
 
@@ -46,9 +46,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        if self.qk_norm:  # one fused kernel on CUDA
+            q, k = rotary.norm_forward(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = rotary(positions, q, k)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -62,7 +63,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up)  # fused Triton kernel on CUDA
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

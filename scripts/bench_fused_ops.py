@@ -1,0 +1,143 @@
+"""Torch path vs fused Triton kernels for the elementwise work of a Qwen3-8B decoder layer (CUDA).
+
+Per layer: input RMSNorm with the residual add, q/k per-head RMSNorm + RoPE, post-attention
+RMSNorm with the residual add, SiLU(gate) * up. Each op (and the whole set) is captured in a
+CUDA graph of `LAYERS` repetitions (one decode step's worth), timed with
+`triton.testing.do_bench` (median) and reported per layer; plus the CUDA kernels one layer
+launches (torch profiler) and the share of output elements that are bitwise identical between
+the two paths.
+
+    python scripts/bench_fused_ops.py [--tokens 1 256] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+from dspark.layers import triton_ops  # noqa: E402
+from dspark.layers.norm import RMSNorm  # noqa: E402
+from dspark.layers.rotary import RotaryEmbedding  # noqa: E402
+from dspark.models.config import ModelConfig  # noqa: E402
+from dspark.models.qwen3 import MLP  # noqa: E402
+
+LAYERS = 36
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 4096, 32, 8, 128, 12288, 1e-6
+
+
+class _Act(torch.nn.Module):
+    """MLP's activation alone (gate_up_proj skipped): the body of qwen3.MLP.forward."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        cfg = ModelConfig(
+            architectures=["Qwen3ForCausalLM"], vocab_size=8, hidden_size=8,
+            intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=8, rms_norm_eps=EPS, rope={}, qk_norm=True,
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+            max_position_embeddings=8, dtype=dtype,
+        )  # fmt: skip
+        self.mlp = MLP(cfg)
+        self.mlp.gate_up_proj = torch.nn.Identity()  # input is already gate_up
+        self.mlp.down_proj = torch.nn.Identity()
+
+    def forward(self, gate_up):
+        return self.mlp(gate_up)
+
+
+def build(num_tokens: int, dtype: torch.dtype):
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    def norm(dim):
+        n = RMSNorm(dim, EPS).to(dev)
+        with torch.no_grad():
+            n.weight.normal_(1.0, 0.2)
+        return n.to(dtype)
+
+    in_norm, post_norm, q_norm, k_norm = norm(HIDDEN), norm(HIDDEN), norm(HEAD_DIM), norm(HEAD_DIM)
+    rot = RotaryEmbedding(HEAD_DIM, {"rope_theta": 1_000_000.0}).to(dev)
+    act = _Act(dtype).to(dev)
+    x = torch.randn(num_tokens, HIDDEN, device=dev, dtype=dtype)
+    res = torch.randn(num_tokens, HIDDEN, device=dev, dtype=dtype)
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=dtype)
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    q = qkv[:, :q_size].view(-1, HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(-1, KV_HEADS, HEAD_DIM)
+    pos = torch.randint(0, 32768, (num_tokens,), device=dev)
+    gate_up = torch.randn(num_tokens, 2 * INTER, device=dev, dtype=dtype)
+    ops = {
+        "add+rmsnorm (x2/layer)": lambda: in_norm.add_forward(x, res),
+        "q/k norm + rope": lambda: rot.norm_forward(pos, q, k, q_norm, k_norm),
+        "silu * up": lambda: act(gate_up),
+    }
+    ops["layer total"] = lambda: (
+        in_norm.add_forward(x, res), rot.norm_forward(pos, q, k, q_norm, k_norm),
+        post_norm.add_forward(x, res), act(gate_up),
+    )  # fmt: skip
+    return ops
+
+
+def graph_us(fn, reps: int) -> float:
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    ms = do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return 1e3 * ms / reps
+
+
+def kernels_launched(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def flat(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in flat(o)]
+
+
+def identical(a, b) -> float:
+    same = sum((x == y).sum().item() for x, y in zip(flat(a), flat(b), strict=True))
+    return same / sum(x.numel() for x in flat(a))
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    print(f"{torch.cuda.get_device_name()}  {args.dtype}  Qwen3-8B layer "
+          f"(d={HIDDEN}, heads {HEADS}/{KV_HEADS}x{HEAD_DIM}, I={INTER}); us per layer, "
+          f"graphs of {LAYERS} repetitions")  # fmt: skip
+    head = f"{'T':>5} {'op':<24} {'torch us':>9} {'fused us':>9} {'speedup':>8} "
+    print(head + f"{'kernels':>9} {'identical':>10}")
+    for num_tokens in args.tokens:
+        for name, fn in build(num_tokens, dtype).items():
+            triton_ops.ENABLED = False
+            t_torch, k_torch, ref = graph_us(fn, LAYERS), kernels_launched(fn), fn()
+            triton_ops.ENABLED = True
+            t_fused, k_fused, out = graph_us(fn, LAYERS), kernels_launched(fn), fn()
+            print(f"{num_tokens:>5} {name:<24} {t_torch:>9.2f} {t_fused:>9.2f} "
+                  f"{t_torch / t_fused:>7.1f}x {k_torch:>4}->{k_fused:<4} "
+                  f"{100 * identical(out, ref):>9.4f}%")  # fmt: skip
+        print(f"{'':>5} per step ({LAYERS} layers): {t_torch * LAYERS / 1e3:.3f} ms -> "
+              f"{t_fused * LAYERS / 1e3:.3f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
