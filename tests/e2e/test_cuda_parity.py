@@ -13,6 +13,7 @@ from dspark.testing.drafters import make_tiny_drafter
 
 
 def CudaLLM(path, **kwargs):  # noqa: N802 - a small KV cache: several engines share the GPU
+    kwargs.setdefault("max_num_seqs", 16)
     return LLM(path, device="cuda", num_kv_blocks=4096, **kwargs)
 
 
