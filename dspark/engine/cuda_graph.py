@@ -11,7 +11,9 @@ Steps with longer queries (prefill chunks) or more tokens than the largest bucke
 
 from __future__ import annotations
 
+import gc
 import logging
+from contextlib import contextmanager
 
 import torch
 
@@ -20,6 +22,22 @@ from dspark.engine.input_batch import StepInputs
 from dspark.forward_context import ForwardContext, forward_context
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def capture_guard():
+    """Collect garbage first and keep the collector off while capturing: a finalizer that runs
+    mid-capture (e.g. another engine's CUDA graph being destroyed) makes a CUDA call that is
+    illegal during stream capture and invalidates the graph."""
+    gc.collect()
+    torch.cuda.synchronize()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def default_buckets(max_tokens: int) -> list[int]:
@@ -64,6 +82,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        with capture_guard():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         for t in reversed(self.buckets):  # largest first: later graphs reuse its pool
             r = min(t, self.max_reqs)
             # a valid dummy batch: r rows sharing the tokens, every token in the sentinel slot

@@ -49,6 +49,12 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from dspark.engine.cuda_graph import capture_guard
+
+        with capture_guard():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         pool = None
         for r in reversed(self.buckets):
             for _ in range(2):

@@ -158,7 +158,7 @@ def draft_attention(
         BLOCK_LEN=block_len, NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_G=block_g, NUM_Q_GROUPS=num_q_groups,
         BLOCK_N=bn, BLOCK_KEYS=max(16, triton.next_power_of_2(block_len)),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )

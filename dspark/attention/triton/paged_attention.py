@@ -333,7 +333,8 @@ def paged_attention(
         md.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=bn,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page,
+        # tl.dot needs a reduction dim >= 16: small heads are padded (masked) to 16
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
