@@ -81,7 +81,13 @@ def _default_model() -> tuple[str, str | None, bool]:
 
 def _speculative_config(text: str | None, default_drafter: str | None) -> dict | None:
     if text is None:
-        return {"method": "dspark", "model": default_drafter} if default_drafter else None
+        if not default_drafter:
+            return None
+        spec = {"method": "dspark", "model": default_drafter, "num_speculative_tokens": 7}
+        sts = os.path.join(default_drafter, "sts.json")  # calibration shipped with the demo
+        if os.path.isfile(sts):
+            spec["confidence_calibration_path"] = sts
+        return spec
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
