@@ -15,7 +15,8 @@ import time
 import httpx
 import openai
 import pytest
-from test_server import API_KEY, MAX_MODEL_LEN, MODEL, run_server
+
+from tests.e2e.test_server import API_KEY, MAX_MODEL_LEN, MODEL, run_server
 
 BIG = "x" * (70 * 1024)
 
