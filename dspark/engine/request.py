@@ -44,6 +44,8 @@ class SpecStats:
     num_accepted_tokens: int = 0  # drafts accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # rounds accepting >= pos+1
     verified_per_pos: list[int] = field(default_factory=list)  # rounds verifying >= pos+1
+    # rounds in which slot pos was verified with every earlier draft accepted (it was "tested")
+    reached_per_pos: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_verified: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -51,12 +53,14 @@ class SpecStats:
         self.num_verified_tokens += num_verified
         self.num_accepted_tokens += num_accepted
         need = max(num_drafted, len(self.verified_per_pos))
-        for lst in (self.accepted_per_pos, self.verified_per_pos):
+        for lst in (self.accepted_per_pos, self.verified_per_pos, self.reached_per_pos):
             lst.extend([0] * (need - len(lst)))
         for j in range(num_verified):
             self.verified_per_pos[j] += 1
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+        for j in range(min(num_accepted + 1, num_verified)):
+            self.reached_per_pos[j] += 1
 
     def merge(self, other: SpecStats) -> None:
         self.num_steps += other.num_steps
@@ -67,6 +71,7 @@ class SpecStats:
         for mine, theirs in (
             (self.accepted_per_pos, other.accepted_per_pos),
             (self.verified_per_pos, other.verified_per_pos),
+            (self.reached_per_pos, other.reached_per_pos),
         ):
             mine.extend([0] * (need - len(mine)))
             for j, v in enumerate(theirs):
@@ -74,9 +79,10 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         steps = max(self.num_steps, 1)
-        # conditional acceptance at pos j: accepted >= j+1 among rounds that verified >= j+1
+        # conditional acceptance at pos j: P(slot j accepted | slot j verified and every
+        # earlier draft accepted); unconditional: P(at least j+1 drafts accepted) per round
         cond = [
-            a / v if v else None for a, v in zip(self.accepted_per_pos, self.verified_per_pos)
+            a / n if n else None for a, n in zip(self.accepted_per_pos, self.reached_per_pos)
         ]
         return {
             "num_steps": self.num_steps,
