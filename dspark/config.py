@@ -24,6 +24,9 @@ class SpeculativeConfig:
     confidence_calibration_path: str | None = None
     confidence_threshold: float = 0.5
     snap_budget_to_graphs: bool = False
+    # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
+    # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were
+    synthetic_acceptance_rates: list[float] | None = None
 
     def __post_init__(self):
         if self.method not in ("dspark", "dflash"):
@@ -38,10 +41,27 @@ class SpeculativeConfig:
                 "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
                 f"got {self.draft_sample_method!r}"
             )
-        if self.rejection_sample_method not in ("standard", "block"):
+        if self.rejection_sample_method not in ("standard", "block", "synthetic"):
             raise ValueError(
-                "speculative_config.rejection_sample_method must be 'standard' or 'block', "
-                f"got {self.rejection_sample_method!r}"
+                "speculative_config.rejection_sample_method must be 'standard', 'block' or "
+                f"'synthetic' (benchmarks only), got {self.rejection_sample_method!r}"
+            )
+        rates = self.synthetic_acceptance_rates
+        if self.rejection_sample_method == "synthetic":
+            k = self.num_speculative_tokens
+            if (
+                not isinstance(rates, (list, tuple))
+                or len(rates) < k
+                or not all(isinstance(r, (int, float)) and 0 <= r <= 1 for r in rates)
+            ):
+                raise ValueError(
+                    "speculative_config.synthetic_acceptance_rates must list at least "
+                    f"num_speculative_tokens={k} probabilities in [0, 1]"
+                )
+        elif rates is not None:
+            raise ValueError(
+                "speculative_config.synthetic_acceptance_rates needs "
+                "rejection_sample_method 'synthetic'"
             )
         if self.adaptive_policy is None:
             self.adaptive_policy = "lagged" if self.enable_adaptive_verification else "fixed"

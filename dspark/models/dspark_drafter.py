@@ -279,8 +279,11 @@ class DSparkDrafter(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str, target: CausalLM, dtype: torch.dtype | str, device: torch.device | str
+        cls, path: str, target: CausalLM, dtype: torch.dtype | str, device: torch.device | str,
+        dummy: bool = False,
     ) -> DSparkDrafter:
+        """Load a DeepSpec-layout checkpoint. `dummy`: only config.json is read and the weights
+        keep their random initialisation (benchmarks on random-weight targets)."""
         from dspark.models.loader import load_weights
 
         cfg = DrafterConfig.from_pretrained(path)
@@ -293,6 +296,8 @@ class DSparkDrafter(nn.Module):
                 model = cls(cfg, target)
         finally:
             torch.set_default_dtype(prev_dtype)
+        if dummy:
+            return model.eval().requires_grad_(False)
 
         found = {cls.checkpoint_name_to_param(n) for n in _checkpoint_tensor_names(path)}
         expected = set(model.expected_checkpoint_names())

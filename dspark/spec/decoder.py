@@ -25,6 +25,7 @@ from dspark.spec.confidence import (
     load_sts,
 )
 from dspark.spec.planner import Planner
+from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,8 @@ class SpecDecoder:
         self.backend = backend
         dcfg = DrafterConfig.from_pretrained(sc.model)
         check_compatible(dcfg, target_cfg, self.k)
-        self.drafter = DSparkDrafter.from_pretrained(sc.model, target, dtype, device).eval()
+        dummy = config.load_format == "dummy"
+        self.drafter = DSparkDrafter.from_pretrained(sc.model, target, dtype, device, dummy)
         self.aux_layer_ids = tuple(dcfg.target_layer_ids)
         slots = config.max_num_seqs
         self.draft_tokens = torch.zeros(slots, self.k, dtype=torch.int64, device=device)
@@ -68,6 +70,12 @@ class SpecDecoder:
                 "confidence head; use 'auto' or 'online'"
             )
         self.use_head = has_head and source in ("auto", "head")
+        self.synthetic_rates = None
+        if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
+            rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)
+            self.synthetic_rates = rates.to(device)
+            logger.warning("SYNTHETIC acceptance (benchmark mode, not lossless): rates %s",
+                           rates.tolist())  # fmt: skip
         self.estimator = None if self.use_head else OnlineAcceptanceEstimator(self.k, device)
         self.sts = None
         if sc.confidence_calibration_path:
@@ -170,6 +178,13 @@ class SpecDecoder:
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
         slots = inp.slots
+        if self.synthetic_rates is not None:
+            out, num_out = verify_synthetic(
+                logits, inp.cu_num_logits, self.draft_tokens[slots], self.synthetic_rates,
+                inp.seeds, inp.anchor_pos, inp.rounds,
+            )  # fmt: skip
+            self._after_verify(inp, out, num_out)
+            return out, num_out
         if inp.all_greedy:
             out, num_out = verify_greedy(logits, inp.cu_num_logits, self.draft_tokens[slots])
             self._after_verify(inp, out, num_out)
@@ -243,7 +258,10 @@ class SpecDecoder:
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None:
             self.draft_probs[slots] = draft.probs
-        if self.use_head:
+        if self.synthetic_rates is not None:
+            # the scheduler sees the true conditional acceptance probabilities
+            conf = self.synthetic_rates.expand(anchors.shape[0], self.k)
+        elif self.use_head:
             logits = draft.conf_logits
             self.conf_logits[slots] = logits.float()
             conf = apply_sts(logits, self.sts) if self.sts else torch.sigmoid(logits)

@@ -1,0 +1,75 @@
+"""Synthetic-acceptance benchmark mode: drafts accepted at the configured per-position rates,
+with random (dummy) drafter weights loaded from a config alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.config import SpeculativeConfig
+from dspark.testing.drafters import make_tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def config_only_drafter(tiny_qwen, tmp_path_factory):
+    full = make_tiny_drafter(str(tmp_path_factory.mktemp("syn_full")), tiny_qwen)
+    bare = str(tmp_path_factory.mktemp("syn_bare"))
+    shutil.copy(os.path.join(full, "config.json"), bare)  # no weights at all
+    return bare
+
+
+def _run(target, drafter, rates, k=4, n=24, **spec):
+    cfg = {"model": drafter, "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_rates": rates, **spec}  # fmt: skip
+    llm = LLM(target, device="cpu", load_format="dummy", speculative_config=cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + i % 7 + 2))} for i in range(n)],
+                        params)  # fmt: skip
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    return llm.engine.spec_stats
+
+
+def test_rates_one_and_zero(tiny_qwen, config_only_drafter):
+    st = _run(tiny_qwen, config_only_drafter, [1.0] * 4)
+    assert st.num_accepted_tokens == st.num_verified_tokens == st.num_drafted_tokens > 0
+    st = _run(tiny_qwen, config_only_drafter, [0.0] * 4)
+    assert st.num_accepted_tokens == 0 and st.num_steps > 0
+
+
+def test_per_position_rates_are_honoured(tiny_qwen, config_only_drafter):
+    rates = [0.9, 0.7, 0.5, 0.3]
+    st = _run(tiny_qwen, config_only_drafter, rates, n=48)
+    d = st.as_dict()
+    cond = d["conditional_acceptance_per_position"]
+    for j, (got, want) in enumerate(zip(cond, rates)):
+        tested = st.reached_per_pos[j]
+        se = (want * (1 - want) / tested) ** 0.5
+        assert abs(got - want) < 5 * se + 1e-9, (j, got, want, tested)
+    # acceptance length: 1 + sum of survivals
+    expected = 1 + float(np.cumprod(rates).sum())
+    assert abs(d["mean_acceptance_length"] - expected) < 0.15
+
+
+def test_adaptive_trims_low_survival_positions(tiny_qwen, config_only_drafter, tmp_path):
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(weight_read_ms=0.01, ms_per_token=1.0, fixed_overhead_ms=4.0,
+                       draft_base_ms=0.0, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    st = _run(tiny_qwen, config_only_drafter, [0.95, 0.9, 0.3, 0.1],
+              adaptive_policy="lagged", cost_table_path=path, min_predicted_gain=0.0)
+    assert st.verified_per_pos[0] > 0
+    assert st.verified_per_pos[3] < 0.5 * st.verified_per_pos[0]  # deep slots mostly trimmed
+
+
+@pytest.mark.parametrize("bad", [None, [0.5] * 3, [1.5] * 4, "x"])
+def test_rates_are_validated(bad):
+    with pytest.raises(ValueError, match="synthetic_acceptance_rates"):
+        SpeculativeConfig(model="d", num_speculative_tokens=4, rejection_sample_method="synthetic",
+                          synthetic_acceptance_rates=bad)  # fmt: skip
+    with pytest.raises(ValueError, match="synthetic"):
+        SpeculativeConfig(model="d", synthetic_acceptance_rates=[0.5] * 7)
