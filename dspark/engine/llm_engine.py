@@ -80,7 +80,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.spec_stats = SpecStats()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
+                      "step_time_ms": 0.0}  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -154,6 +155,13 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats["step_time_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:

@@ -10,6 +10,7 @@ budget uses that stale copy (non-anticipating), the allocation uses the live dev
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -29,6 +30,27 @@ from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
+
+
+class _Timer:
+    """Times a region on the device (CUDA events, read lazily) or on the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            start = self.start
+            return lambda: (end.synchronize(), start.elapsed_time(end))[1]
+        ms = (time.perf_counter() - self.t0) * 1e3
+        return lambda: ms
 
 
 class SpecDecoder:
@@ -95,6 +117,10 @@ class SpecDecoder:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_budget: int | None = None
         self.draft_graphs = None
+        # scheduler overhead: host time of planning, device time of allocation
+        self.plan_ms = 0.0
+        self._alloc_events: list[tuple] = []
+        self._alloc_ms = 0.0
 
     # -- memory ---------------------------------------------------------------------------
     def cache_bytes_per_block(self, block_size: int) -> int:
@@ -137,6 +163,13 @@ class SpecDecoder:
         """The lagged policy's total draft budget, from stale host confidences (no sync)."""
         if self._policy != "lagged":
             return None
+        t0 = time.perf_counter()
+        try:
+            return self._plan(rows)
+        finally:
+            self.plan_ms += (time.perf_counter() - t0) * 1e3
+
+    def _plan(self, rows) -> int:
         caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
         if not caps.any():
             self.last_budget = 0
@@ -161,6 +194,7 @@ class SpecDecoder:
         if inp.max_capacity == 0 or self._policy == "fixed":
             finalize(inp, None, None, None)
             return
+        timer = _Timer(self.device)
         conf = self.conf[inp.slots]
         caps = inp.capacities * inp.samples.long()
         num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
@@ -174,6 +208,9 @@ class SpecDecoder:
             finalize(inp, lengths, n_tok, inp.num_samples + budget)
         else:
             finalize(inp, lengths, None, None)  # upper bounds; padding at the tail
+        self._alloc_events.append(timer.stop())
+        if len(self._alloc_events) > 256:
+            self.scheduler_overhead_ms()
 
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
@@ -277,6 +314,14 @@ class SpecDecoder:
         if self.device.type == "cuda":
             self._conf_copy_done = torch.cuda.Event()
             self._conf_copy_done.record()
+
+    def scheduler_overhead_ms(self) -> tuple[float, float]:
+        """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
+        for them, so call this from reports, not from the step."""
+        for ev in self._alloc_events:
+            self._alloc_ms += ev()
+        self._alloc_events.clear()
+        return self.plan_ms, self._alloc_ms
 
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:

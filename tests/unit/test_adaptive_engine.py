@@ -117,3 +117,13 @@ def test_recorded_trace_replays_through_the_simulator(tiny_qwen, drafter, refere
     assert lag.verified < fixed.verified
     assert lag.throughput > fixed.throughput
     assert np.isfinite(lag.throughput)
+
+
+def test_scheduler_overhead_is_measured(tiny_qwen, drafter, tmp_path):
+    path = _table(tmp_path, "cost", weight_read_ms=0.01, ms_per_token=1.0,
+                  fixed_overhead_ms=4.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path)
+    _generate(llm)
+    plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
+    step_ms = llm.engine.stats["step_time_ms"]
+    assert 0 < plan_ms < step_ms and 0 < alloc_ms < step_ms
