@@ -50,6 +50,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--seed", type=int, default=0)
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--load-format", default="auto", choices=["auto", "dummy"],
+      help="dummy: random weights from config.json alone (benchmarks only)")
     a("--max-waiting", type=_positive_int, default=1024,
       help="waiting requests beyond which new ones get 503 + Retry-After")
     a("--max-body-bytes", type=_positive_int, default=1 << 20, help="request body limit (413)")
@@ -115,7 +117,7 @@ def build_engine_config(args: argparse.Namespace):
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
-            speculative_config=spec,
+            load_format=args.load_format, speculative_config=spec,
         )  # fmt: skip
     except (ValueError, TypeError) as e:
         raise ServeError(f"invalid configuration: {e}") from None

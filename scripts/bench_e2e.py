@@ -1,0 +1,197 @@
+"""End-to-end adaptive-verification benchmark: three arms on one build, same server flags.
+
+Arms: no speculation, fixed K, adaptive K' <= K (default policy, cost table profiled at
+server start-up). For each arm a `dspark serve` process is started and `dspark bench serve`
+sweeps the concurrency levels at each temperature; then the offline API checks that the three
+arms emit identical tokens at temperature 0 and measures the scheduler's overhead (planning +
+allocation) against the step time. Prints a table last; JSON, logs and plots go to --out.
+
+    python3 scripts/bench_e2e.py --target T --drafter D --dataset humaneval \
+        --dataset-path HumanEval.jsonl.gz --out $OUT
+    # synthetic acceptance on a random-weight target (labelled SYNTHETIC everywhere):
+    python3 scripts/bench_e2e.py --target DIR --drafter DIR --load-format dummy \
+        --synthetic-rates 0.65,0.56,0.55,0.55,0.57,0.76,0.8 --dataset random --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+
+def arms(args) -> dict[str, dict | None]:
+    base = {"model": args.drafter, "num_speculative_tokens": args.k}
+    if args.sts:
+        base["confidence_calibration_path"] = args.sts
+    if args.synthetic_rates:
+        base["rejection_sample_method"] = "synthetic"
+        base["synthetic_acceptance_rates"] = [float(x) for x in args.synthetic_rates.split(",")]
+    return {
+        "nospec": None,
+        f"fixed{args.k}": dict(base, adaptive_policy="fixed"),
+        f"adaptive{args.k}": dict(base, enable_adaptive_verification=True),
+    }
+
+
+def engine_flags(args) -> list[str]:
+    return ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
+            "--device", args.device]  # fmt: skip
+
+
+def serve(args, spec, port, log_path):
+    cmd = [sys.executable, "-m", "dspark", "serve", "--model", args.target, "--port", str(port),
+           *engine_flags(args)]  # fmt: skip
+    if args.load_format != "auto":
+        cmd += ["--load-format", args.load_format]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited during start-up; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"server did not start in {args.start_timeout}s; see {log_path}")
+
+
+def sweep(args, url, arm, temp) -> dict:
+    out = os.path.join(args.out, f"{arm}_t{temp:g}.json")
+    cmd = [sys.executable, "-m", "dspark", "bench", "serve", "--base-url", url,
+           "--sweep", args.sweep, "--num-prompts", str(args.num_prompts), "--ignore-eos",
+           "--temperature", str(temp), "--seed", "0", "--warmup", str(args.warmup),
+           "--percentiles", "50,99", "--save-result", out, "--label", arm, "--disable-tqdm",
+           "--dataset", args.dataset, "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--output-len", str(args.output_len)]
+    if args.dataset_path:
+        cmd += ["--dataset-path", args.dataset_path]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.load(open(out))
+
+
+def offline_checks(args) -> dict:
+    """Temperature-0 identity across arms, and the scheduler overhead of the adaptive arm."""
+    from dspark import LLM, SamplingParams
+    from dspark.bench.datasets import load_dataset
+
+    reqs = load_dataset(args.dataset, args.identity_prompts, path=args.dataset_path,
+                        input_len=args.input_len, output_len=args.identity_tokens, seed=0)
+    prompts = [r.prompt for r in reqs]
+    params = SamplingParams(temperature=0.0, max_tokens=args.identity_tokens, ignore_eos=True)
+    tokens, overhead = {}, None
+    for arm, spec in arms(args).items():
+        llm = LLM(args.target, speculative_config=spec, load_format=args.load_format,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+        tokens[arm] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if arm.startswith("adaptive"):
+            plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
+            step_ms = llm.engine.stats["step_time_ms"]
+            overhead = {"plan_ms": plan_ms, "alloc_ms": alloc_ms, "step_ms": step_ms,
+                        "fraction": (plan_ms + alloc_ms) / step_ms}  # fmt: skip
+        del llm
+    names = list(tokens)
+    identical = all(tokens[n] == tokens[names[0]] for n in names[1:])
+    return {"identical_at_t0": identical, "num_prompts": len(prompts), "overhead": overhead}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = ap.add_argument
+    a("--target", required=True)
+    a("--drafter", required=True)
+    a("--sts", default=None, help="STS calibration JSON for the drafter")
+    a("--k", type=int, default=7)
+    a("--dataset", default="humaneval", choices=["humaneval", "random", "prompts"])
+    a("--dataset-path", default=None)
+    a("--input-len", type=int, default=512)
+    a("--output-len", type=int, default=256)
+    a("--sweep", default="1,4,16,32,64,128,256")
+    a("--num-prompts", type=int, default=256)
+    a("--warmup", type=int, default=16)
+    a("--temperatures", default="0,1")
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--max-model-len", type=int, default=2048)
+    a("--device", default="auto")
+    a("--load-format", default="auto", choices=["auto", "dummy"])
+    a("--synthetic-rates", default=None, help="SYNTHETIC acceptance per position (benchmark)")
+    a("--identity-prompts", type=int, default=32)
+    a("--identity-tokens", type=int, default=128)
+    a("--start-timeout", type=float, default=600)
+    a("--port", type=int, default=8123)
+    a("--out", default=os.environ.get("OUT", "out"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    label = "SYNTHETIC acceptance " if args.synthetic_rates else ""
+    temps = [float(t) for t in args.temperatures.split(",")]
+    results: dict = {}
+    for i, (arm, spec) in enumerate(arms(args).items()):
+        proc, url = serve(args, spec, args.port + i, os.path.join(args.out, f"serve_{arm}.log"))
+        try:
+            for t in temps:
+                results[(arm, t)] = sweep(args, url, arm, t)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    checks = offline_checks(args)
+    summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
+               "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    for t in temps:
+        files = [os.path.join(args.out, f"{a}_t{t:g}.json") for a in arms(args)]
+        subprocess.run([sys.executable, "-m", "dspark", "bench", "plot", *files, "-o",
+                        os.path.join(args.out, f"sweep_t{t:g}.png"), "--title",
+                        f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
+    print_table(args, temps, results, checks, label)
+    return 0
+
+
+def print_table(args, temps, results, checks, label) -> None:
+    names = list(arms(args))
+    print(f"\n=== {label}end-to-end: output tok/s (TPOT p50 ms | acceptance length) ===")
+    for t in temps:
+        print(f"-- temperature {t:g}")
+        print("conc " + "".join(f"{n:>30}" for n in names) + "   adaptive vs best / vs fixed")
+        levels = results[(names[0], t)]["results"]
+        for i, lvl in enumerate(levels):
+            cells, tput = [], []
+            for n in names:
+                r = results[(n, t)]["results"][i]
+                sd = r.get("spec_decode") or {}
+                acc = sd.get("mean_acceptance_length")
+                tput.append(r["output_throughput"])
+                cells.append(f"{r['output_throughput']:9.1f} ({r['tpot_ms']['p50']:6.2f} | "
+                             f"{acc if acc is None else round(acc, 2)!s:>4})")  # fmt: skip
+            best = max(tput[0], tput[1])
+            print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
+                  + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+    o = checks["overhead"] or {}
+    print(f"T=0 identical tokens across arms: {checks['identical_at_t0']} "
+          f"({checks['num_prompts']} prompts)")
+    if o:
+        print(f"scheduler overhead: plan {o['plan_ms']:.1f} ms + alloc {o['alloc_ms']:.1f} ms "
+              f"= {o['fraction']:.2%} of step time")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
