@@ -82,6 +82,8 @@ def sweep(args, url, arm, temp) -> dict:
            "--random-output-len", str(args.output_len), "--output-len", str(args.output_len)]
     if args.dataset_path:
         cmd += ["--dataset-path", args.dataset_path]
+    if args.load_format == "dummy":  # no tokenizer: send token ids
+        cmd += ["--random-prompt-type", "token-ids"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.load(open(out))
 
@@ -91,9 +93,12 @@ def offline_checks(args) -> dict:
     from dspark import LLM, SamplingParams
     from dspark.bench.datasets import load_dataset
 
+    kind = "token-ids" if args.load_format == "dummy" else "words"
     reqs = load_dataset(args.dataset, args.identity_prompts, path=args.dataset_path,
-                        input_len=args.input_len, output_len=args.identity_tokens, seed=0)
-    prompts = [r.prompt for r in reqs]
+                        input_len=args.input_len, output_len=args.identity_tokens, seed=0,
+                        prompt_type=kind)  # fmt: skip
+    prompts = [r.prompt if isinstance(r.prompt, str) else {"prompt_token_ids": r.prompt}
+               for r in reqs]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.identity_tokens, ignore_eos=True)
     tokens, overhead = {}, None
     for arm, spec in arms(args).items():

@@ -19,13 +19,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
-    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-    tie_word_embeddings=False, dtype="bfloat16", model_type="qwen3",
-)  # fmt: skip
+from make_shape_dirs import QWEN3_8B  # noqa: E402
 
 
 def ceilings() -> dict:
