@@ -22,15 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
 
 
 def parse_spec_config(text: str | None) -> dict | None:
-    if not text:
-        return None
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise SystemExit("--speculative-config must be a JSON object")
-    return spec
+    from dspark.config import parse_speculative_json
+
+    return parse_speculative_json(text) if text else None
 
 
 def engine_kwargs(args) -> dict:

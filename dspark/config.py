@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 _POLICIES = ("lagged", "early_stop", "threshold", "fixed")
+
+
+def parse_speculative_json(text: str) -> dict:
+    """The value of a --speculative-config flag: a JSON object (ValueError otherwise)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    return spec
 
 
 @dataclass
@@ -117,12 +129,14 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, benchmarks)
+    tensor_parallel_size: int = 1  # processes (GPUs) the model is sharded over
     speculative_config: SpeculativeConfig | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

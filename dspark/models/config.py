@@ -21,6 +21,18 @@ _DTYPES = {
 }
 
 
+def read_config_json(path: str, what: str = "model") -> dict:
+    """The parsed config.json of a checkpoint folder, with clear errors."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in {what} folder {path!r}")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -97,15 +109,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> ModelConfig:
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"no config.json in model folder {path!r}")
-        try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-        config = cls.from_dict(cfg)
+        config = cls.from_dict(read_config_json(path, "model"))
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
             with open(gen_path) as f:

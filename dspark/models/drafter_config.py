@@ -3,13 +3,11 @@ a drafter fits its target."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from dspark.models.config import ModelConfig
+from dspark.models.config import ModelConfig, read_config_json
 from dspark.models.markov_heads import MARKOV_HEAD_TYPES
 
 DRAFTER_ARCHITECTURES = ("Qwen3DSparkModel",)
@@ -147,15 +145,7 @@ class DrafterConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> DrafterConfig:
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"no config.json in drafter folder {path!r}")
-        try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_config_json(path, "drafter"))
 
 
 def check_compatible(

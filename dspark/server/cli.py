@@ -11,7 +11,6 @@ in-flight ones finish for up to --shutdown-timeout seconds, aborts the rest, and
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -90,12 +89,12 @@ def _speculative_config(text: str | None, default_drafter: str | None) -> dict |
         if os.path.isfile(sts):
             spec["confidence_calibration_path"] = sts
         return spec
+    from dspark.config import parse_speculative_json
+
     try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ServeError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ServeError("--speculative-config must be a JSON object")
+        spec = parse_speculative_json(text)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
     if "model" not in spec and default_drafter:
         spec["model"] = default_drafter
     return spec
