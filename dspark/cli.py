@@ -19,6 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
 
 
 def parse_spec_config(text: str | None) -> dict | None:
@@ -32,6 +33,7 @@ def engine_kwargs(args) -> dict:
         device=args.device, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=parse_spec_config(args.speculative_config),
     )  # fmt: skip
 
@@ -56,7 +58,6 @@ def cmd_generate(args) -> int:
 def cmd_profile(args) -> int:
     from dspark.config import EngineConfig
     from dspark.engine.llm_engine import LLMEngine
-    from dspark.spec.profiler import profile_cost_model
 
     kwargs = engine_kwargs(args)
     spec = kwargs["speculative_config"]
@@ -64,10 +65,11 @@ def cmd_profile(args) -> int:
         spec = dict(spec, adaptive_policy="fixed", enable_adaptive_verification=False)
         kwargs["speculative_config"] = spec
     engine = LLMEngine(EngineConfig(model=args.model, **kwargs))
-    cost = profile_cost_model(
-        engine.runner, max_tokens=args.max_tokens, context_len=args.context_len,
-        repeats=args.repeats, warmup=args.warmup,
+    cost = engine.runner.profile_cost(  # every tensor-parallel rank runs the forwards
+        max_tokens=args.max_tokens, context_len=args.context_len, repeats=args.repeats,
+        warmup=args.warmup,
     )  # fmt: skip
+    engine.runner.shutdown()
     cost.to_json(args.output)
     problem = cost.describe_problem()
     print(f"wrote {args.output}: {len(cost.verify_tokens)} token counts, "

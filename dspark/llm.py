@@ -45,6 +45,11 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do with one rank). Also
+        happens when the LLM is garbage-collected or the interpreter exits."""
+        self.engine.runner.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -6,6 +6,9 @@ Draft token ids are filled in on the device from the per-request draft buffer. W
 verification keeps only `l_r <= capacity_r` drafts of a row, `compact()` rebuilds the ragged
 stream on the device (query_start_loc, positions, slots, token->request map) without any host
 sync; the CPU keeps only upper bounds (or the exact total when the budget was planned on it).
+
+`pack_step` is the CPU half (numpy only: a HostStep, which tensor-parallel rank 0 broadcasts),
+`upload_step` the device half that every rank runs.
 """
 
 from __future__ import annotations
@@ -75,13 +78,55 @@ class StepInputs:
         )
 
 
-def build_step_inputs(
-    rows: list[ScheduledRow],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    draft_tokens: torch.Tensor | None,  # [S, K] persistent draft buffer on the device
-) -> StepInputs:
+# Scalars the CPU knows about a step (HostStep.meta), in this order.
+META_FIELDS = (
+    "num_reqs", "num_tokens", "max_blocks", "max_query_len", "max_seq_len", "num_samples",
+    "all_greedy", "max_capacity", "max_num_logits", "any_top_k", "any_top_p", "any_min_p",
+    "num_draft_fills",
+)  # fmt: skip
+_META = {name: i for i, name in enumerate(META_FIELDS)}
+
+
+@dataclass
+class HostStep:
+    """The CPU half of a step: the arrays of the one host->device copy and the CPU-side facts.
+
+    Plain numpy, so that tensor-parallel rank 0 can broadcast it (`payload()`) and every rank
+    uploads the same step (`upload_step`).
+    """
+
+    meta: np.ndarray  # [len(META_FIELDS)] int64
+    ints: np.ndarray  # int64: stream [T] x3, query_start_loc, seq_lens, block tables, per-row
+    floats: np.ndarray  # [3, R] float32: temperature, top_p, min_p
+    draft_fill: np.ndarray  # [3, n] int64: stream index, draft-buffer row, slot of each draft
+
+    def get(self, name: str) -> int:
+        return int(self.meta[_META[name]])
+
+    def int_sizes(self) -> list[int]:
+        return _int_sizes(self.meta)
+
+    def payload(self) -> np.ndarray:  # one int64 array (floats travel as their bits)
+        bits = self.floats.view(np.int32).astype(np.int64).reshape(-1)
+        return np.concatenate([self.ints, bits, self.draft_fill.reshape(-1)])
+
+    @classmethod
+    def from_payload(cls, meta: np.ndarray, payload: np.ndarray) -> HostStep:
+        meta = np.asarray(meta, dtype=np.int64)
+        n_ints, r = sum(_int_sizes(meta)), int(meta[_META["num_reqs"]])
+        floats = payload[n_ints : n_ints + 3 * r].astype(np.int32).view(np.float32)
+        fill = payload[n_ints + 3 * r :].reshape(3, int(meta[_META["num_draft_fills"]]))
+        return cls(meta, payload[:n_ints], floats.reshape(3, r), fill)
+
+
+def _int_sizes(meta: np.ndarray) -> list[int]:
+    r, t, b = (int(meta[_META[k]]) for k in ("num_reqs", "num_tokens", "max_blocks"))
+    return [t, t, t, r + 1, r, r * b] + [r] * 8
+
+
+def pack_step(
+    rows: list[ScheduledRow], block_tables: list[list[int]], block_size: int
+) -> HostStep:
     num_reqs = len(rows)
     num_new = np.array([r.num_new_tokens for r in rows], dtype=np.int64)
     caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
@@ -108,32 +153,47 @@ def build_step_inputs(
     top_p = np.array([p.top_p for p in params], dtype=np.float32)
     min_p = np.array([p.min_p for p in params], dtype=np.float32)
     samples = np.array([r.samples for r in rows], dtype=np.int64)
+    slots = np.array([r.req.slot for r in rows], dtype=np.int64)
     ints = [
         input_ids, positions, slot_mapping, qsl, start + num_new, bt.reshape(-1), samples, caps,
-        num_new - caps, start, np.array([r.req.slot for r in rows], dtype=np.int64),
-        np.array([r.req.seed for r in rows], dtype=np.int64),
+        num_new - caps, start, slots, np.array([r.req.seed for r in rows], dtype=np.int64),
         np.array([r.req.round for r in rows], dtype=np.int64), top_k,
     ]  # fmt: skip
-    sizes = [a.size for a in ints]
-    packed = torch.from_numpy(np.concatenate(ints))
-    floats = torch.from_numpy(np.stack([temperature, top_p, min_p]))
+    fill = np.zeros((3, 0), dtype=np.int64)
+    if caps.any():  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
+        dst = np.concatenate(
+            [qsl[i] + num_new[i] - caps[i] + np.arange(caps[i]) for i in range(num_reqs)]
+        )
+        src_k = np.concatenate([np.arange(c) for c in caps])
+        fill = np.stack([dst, np.repeat(slots, caps), src_k]).astype(np.int64)
+    meta = np.array([
+        num_reqs, total, max_blocks, int(num_new.max()) if num_reqs else 0,
+        int((start + num_new).max()) if num_reqs else 0, int(samples.sum()),
+        bool((temperature <= 1e-5).all()), int(caps.max()) if num_reqs else 0,
+        int((samples * (1 + caps)).sum()), bool((top_k > 0).any()), bool((top_p < 1).any()),
+        bool(min_p.any()), fill.shape[1],
+    ], dtype=np.int64)  # fmt: skip
+    return HostStep(meta, np.concatenate(ints), np.stack([temperature, top_p, min_p]), fill)
+
+
+def upload_step(
+    host: HostStep,
+    device: torch.device,
+    draft_tokens: torch.Tensor | None,  # [S, K] persistent draft buffer on the device
+) -> StepInputs:
+    num_reqs, max_blocks = host.get("num_reqs"), host.get("max_blocks")
+    packed = torch.from_numpy(host.ints)
+    floats = torch.from_numpy(host.floats)
     if device.type == "cuda":
         packed, floats = packed.pin_memory(), floats.pin_memory()
     packed = packed.to(device, non_blocking=True)  # the one host->device copy of the step
     floats = floats.to(device, non_blocking=True)
     (ids, pos, slots_map, qsl_t, seq_lens, bt_t, samples_t, caps_t, nd_t, start_t, slot_t,
-     seeds_t, rounds_t, top_k_t) = packed.split(sizes)  # fmt: skip
-    if draft_tokens is not None and caps.any():
-        # fill draft slots [anchor, d_1..d_c] from the device-side draft buffer
-        dst = np.concatenate(
-            [qsl[i] + num_new[i] - caps[i] + np.arange(caps[i]) for i in range(num_reqs)]
-        )
-        src_row = np.repeat(np.array([r.req.slot for r in rows], dtype=np.int64), caps)
-        src_k = np.concatenate([np.arange(c) for c in caps])
-        idx = torch.from_numpy(np.stack([dst, src_row, src_k])).to(device, non_blocking=True)
+     seeds_t, rounds_t, top_k_t) = packed.split(host.int_sizes())  # fmt: skip
+    if draft_tokens is not None and host.draft_fill.shape[1]:
+        idx = torch.from_numpy(host.draft_fill).to(device, non_blocking=True)
         ids = ids.clone()
         ids[idx[0]] = draft_tokens[idx[1], idx[2]]
-    any_k, any_p, any_min = bool((top_k > 0).any()), bool((top_p < 1).any()), bool(min_p.any())
     return StepInputs(
         input_ids=ids,
         positions=pos,
@@ -149,18 +209,28 @@ def build_step_inputs(
         seeds=seeds_t,
         rounds=rounds_t,
         temperature=floats[0],
-        top_k=top_k_t if any_k else None,
-        top_p=floats[1] if any_p else None,
-        min_p=floats[2] if any_min else None,
+        top_k=top_k_t if host.get("any_top_k") else None,
+        top_p=floats[1] if host.get("any_top_p") else None,
+        min_p=floats[2] if host.get("any_min_p") else None,
         num_reqs=num_reqs,
-        num_tokens=total,
-        max_query_len=int(num_new.max()) if num_reqs else 0,
-        max_seq_len=int((start + num_new).max()) if num_reqs else 0,
-        num_samples=int(samples.sum()),
-        all_greedy=bool((temperature <= 1e-5).all()),
-        max_capacity=int(caps.max()) if num_reqs else 0,
-        max_num_logits=int((samples * (1 + caps)).sum()),
+        num_tokens=host.get("num_tokens"),
+        max_query_len=host.get("max_query_len"),
+        max_seq_len=host.get("max_seq_len"),
+        num_samples=host.get("num_samples"),
+        all_greedy=bool(host.get("all_greedy")),
+        max_capacity=host.get("max_capacity"),
+        max_num_logits=host.get("max_num_logits"),
     )
+
+
+def build_step_inputs(
+    rows: list[ScheduledRow],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    draft_tokens: torch.Tensor | None,  # [S, K] persistent draft buffer on the device
+) -> StepInputs:
+    return upload_step(pack_step(rows, block_tables, block_size), device, draft_tokens)
 
 
 def finalize(

@@ -4,11 +4,18 @@ One step: build the inputs (one host->device copy), let the speculative decoder 
 lengths, run the target over the ragged stream, sample or verify, start the one
 device->host copy of the emitted tokens, launch the drafter for the next step, then wait for
 the copy. The drafter's work overlaps the host's bookkeeping of this step.
+
+Tensor parallel (`tensor_parallel_size` N > 1): this runner is rank 0; it starts ranks
+1..N-1, each with its own ModelRunner over its shard, and broadcasts every step's host arrays
+to them before running the step itself (protocol in dspark/engine/distributed.py). With N = 1
+nothing of that exists: no process group, no extra work.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,9 +23,10 @@ import torch
 
 from dspark.attention.base import AttentionBackend
 from dspark.config import EngineConfig
-from dspark.engine.input_batch import StepInputs, build_step_inputs, finalize
+from dspark.engine.input_batch import HostStep, StepInputs, finalize, pack_step, upload_step
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.forward_context import ForwardContext, forward_context
+from dspark.layers.parallel import SINGLE, tensor_parallel
 from dspark.layers.rotary import rope_inv_freq
 from dspark.models.config import ModelConfig
 from dspark.models.loader import load_weights
@@ -79,34 +87,60 @@ def load_target(
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_cfg: ModelConfig, device: torch.device, dtype
-    ):
+        self, config: EngineConfig, model_cfg: ModelConfig, device: torch.device, dtype,
+        world=None,  # distributed.TPWorld of a tensor-parallel worker (ranks >= 1)
+    ):  # fmt: skip
+        self.world = world
+        self._finalizer = None
+        if world is None and config.tensor_parallel_size > 1:
+            from dspark.engine.distributed import launch
+
+            self.world = launch(config, model_cfg, device, dtype)
+            self._finalizer = weakref.finalize(self, self.world.shutdown)
+        self.tp = self.world.tp if self.world is not None else SINGLE
+        try:
+            self._init(config, model_cfg, self.world.device if self.world else device, dtype)
+        except BaseException as e:
+            if self._finalizer is not None:
+                self._finalizer()
+                detail = self.world.worker_errors()
+                if detail:
+                    raise RuntimeError(f"{e}\n{detail}") from e
+            raise
+
+    def _init(self, config: EngineConfig, model_cfg: ModelConfig, device: torch.device, dtype):
         self.config = config
         self.model_cfg = model_cfg
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
         dummy = config.load_format == "dummy"
-        self.model = load_target(model_cfg, config.model, dtype, device, dummy)
         self.backend = select_backend(config.attention_backend, device)
         self.spec = None
-        if config.speculative_config is not None:
-            from dspark.spec.decoder import SpecDecoder
+        with tensor_parallel(self.tp):  # layers built here are sharded over the group
+            self.model = load_target(model_cfg, config.model, dtype, device, dummy)
+            if config.speculative_config is not None:
+                from dspark.spec.decoder import SpecDecoder
 
-            self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype, self.backend)
+                self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype,
+                                        self.backend)  # fmt: skip
         self.aux_layer_ids = self.spec.aux_layer_ids if self.spec is not None else ()
         self.num_blocks = self._num_kv_blocks()
         max_len = config.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
         shape = (model_cfg.num_hidden_layers, self.num_blocks, self.block_size)
-        kv_shape = (*shape, model_cfg.num_key_value_heads, model_cfg.head_dim)
+        kv_shape = (*shape, model_cfg.num_key_value_heads // self.tp.size, model_cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(shape[0])]
         if self.spec is not None:
             self.spec.allocate_cache(self.num_blocks, self.block_size)
         self.graphs = None
-        if device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+        # Collectives inside CUDA graphs are untested here: eager under tensor parallelism
+        # unless DSPARK_TP_CUDA_GRAPHS=1.
+        graphs_ok = self.tp.size == 1 or os.environ.get("DSPARK_TP_CUDA_GRAPHS") == "1"
+        if (device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
+                and graphs_ok):  # fmt: skip
             from dspark.engine.cuda_graph import CudaGraphRunner
 
             k = self.spec.k if self.spec is not None else 0
@@ -129,9 +163,9 @@ class ModelRunner:
 
         path = self.config.speculative_config.cost_table_path
         if path:
-            cost = CostModel.from_json(path)
+            cost = CostModel.from_json(path) if self.tp.rank == 0 else None
             status = f"loaded from {path}"
-            prov = cost.provenance
+            prov = cost.provenance if cost is not None else {}
             if prov.get("device_name") and self.device.type == "cuda":
                 name = torch.cuda.get_device_name(self.device)
                 if prov["device_name"] != name:
@@ -139,15 +173,20 @@ class ModelRunner:
                                    prov["device_name"], name)  # fmt: skip
         else:
             on_gpu = self.device.type == "cuda"
+            # every rank runs the profile's forwards (collectives); rank 0's timings count
             cost = profile_cost_model(
                 self, context_len=256 if on_gpu else 32, repeats=5 if on_gpu else 3,
                 warmup=2 if on_gpu else 1,
             )  # fmt: skip
             status = "profiled at start-up"
+        if self.world is not None:  # rank 0's table, so that every rank plans alike
+            cost = CostModel.from_dict(self.world.broadcast_object(
+                cost.to_dict() if self.tp.rank == 0 else None))  # fmt: skip
         problem = cost.describe_problem()
         if problem:
             status = f"UNUSABLE ({problem}): every draft is verified"
-            logger.warning("adaptive verification: %s", status)
+            if self.tp.rank == 0:
+                logger.warning("adaptive verification: %s", status)
         else:
             logger.info("adaptive verification cost table %s", status)
         self.spec.set_cost_model(cost, status)
@@ -156,7 +195,8 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         c = self.model_cfg
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per = 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+        num_kv_heads = c.num_key_value_heads // self.tp.size  # this rank's
+        per = 2 * c.num_hidden_layers * self.block_size * num_kv_heads * c.head_dim
         per *= elem
         if self.spec is not None:
             per += self.spec.cache_bytes_per_block(self.block_size)
@@ -176,16 +216,30 @@ class ModelRunner:
         else:
             budget = self.config.cpu_kv_cache_gb * (1 << 30)
         num = int(budget // per_block)
+        if self.world is not None:  # every rank's cache holds the same blocks
+            num = self.world.min_over_ranks(num)
         if num < 2:
             raise RuntimeError("not enough memory for the KV cache; lower max_num_batched_tokens")
         return num
 
     # -- the step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]], plan) -> StepResult:
         rows = sched.rows
+        host = pack_step(rows, block_tables, self.block_size)
+        if self.world is None:
+            result = self.run_step(host, plan)
+        else:
+            with self.world.step_guard():
+                self.world.send_step(host, plan)  # the workers run the same step
+                result = self.run_step(host, plan)
+        return self._unpack(*result, rows)
+
+    @torch.inference_mode()
+    def run_step(self, host: HostStep, plan: int | None):
+        """The device half of a step (every tensor-parallel rank, in lockstep). Returns, on
+        rank 0, (host copy of the packed outputs, inputs, output width)."""
         draft_buf = self.spec.draft_tokens if self.spec is not None else None
-        inp = build_step_inputs(rows, block_tables, self.block_size, self.device, draft_buf)
+        inp = upload_step(host, self.device, draft_buf)
         if self.spec is not None:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
@@ -194,19 +248,28 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.spec is not None:
             out, num_out = self.spec.verify(logits, inp)
+            if self.world is not None:
+                out, num_out = self.world.agree_tokens(out, num_out)
         else:
             out, num_out = self._sample(logits, inp)
-        packed = torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
-        host = packed.to("cpu", non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        host_out, done = None, None
+        if self.tp.rank == 0:
+            packed = torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+            host_out = packed.to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
         if self.spec is not None:
             self.spec.propose(inp, aux, out, num_out)  # overlaps the host's commit work
+            if self.world is not None:
+                self.world.agree_drafts(self.spec, inp.slots)
+                if self.world.check:
+                    self.world.check_same("verify lengths", inp.lengths)
         if done is not None:
             done.synchronize()
-        return self._unpack(host.numpy(), inp, out.shape[1], rows)
+        if host_out is None:
+            return None
+        return host_out.numpy(), inp, out.shape[1]
 
     def forward(self, input_ids: torch.Tensor, md, num_tokens: int):
         """Target forward over a ragged stream: CUDA-graph replay when a bucket fits."""
@@ -229,6 +292,23 @@ class ModelRunner:
         out = torch.full((inp.num_reqs, 1), -1, dtype=torch.int64, device=self.device)
         out[row, 0] = tokens
         return out, inp.samples.long()
+
+    # -- tensor parallel ---------------------------------------------------------------------
+    def profile_cost(self, max_tokens=None, context_len=256, repeats=5, warmup=2):
+        """Profile the cost table (`dspark profile`); with tensor parallelism every rank runs
+        the same forwards and rank 0's timings are returned."""
+        from dspark.spec.profiler import profile_cost_model
+
+        if self.world is not None and self.tp.rank == 0:
+            with self.world.step_guard():
+                self.world.send_profile(max_tokens, context_len, repeats, warmup)
+                return profile_cost_model(self, max_tokens, context_len, repeats, warmup)
+        return profile_cost_model(self, max_tokens, context_len, repeats, warmup)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (rank 0; idempotent, also run at exit)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @staticmethod
     def _unpack(host: np.ndarray, inp: StepInputs, width: int, rows) -> StepResult:

@@ -16,8 +16,10 @@ tokens before it) and block size G:
                  scores the slot with the confidence head. Slot k predicts position a + k.
 
 The embedding and LM head are the target's modules (aliased, not registered here, so they
-are neither saved nor loaded twice). Checkpoint names follow DeepSpec (see markov_heads.py
-and `expected_checkpoint_names`).
+are neither saved nor loaded twice). Tensor parallel: attention and MLP are sharded like the
+target's (this rank's heads, all-reduced outputs); `fc`, the norms and the Markov and confidence
+heads are small and replicated; the aliased LM head returns full-vocabulary logits.
+Checkpoint names follow DeepSpec (see markov_heads.py and `expected_checkpoint_names`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from dspark.attention.base import AttentionBackend
 from dspark.layers.norm import RMSNorm
+from dspark.layers.parallel import QKVParallelLinear, RowParallelLinear
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.config import parse_dtype
 from dspark.models.drafter_config import (  # noqa: F401 (re-exported for callers)
@@ -69,15 +72,17 @@ class DrafterAttention(nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(  # tensor parallel: this rank's heads
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias, "the attention width"
+        )
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -152,8 +157,8 @@ class DSparkDrafter(nn.Module):
         return self.config.num_hidden_layers
 
     @property
-    def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+    def num_kv_heads(self) -> int:  # this tensor-parallel rank's
+        return self.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -261,7 +266,7 @@ class DSparkDrafter(nn.Module):
             attn = self.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
         if param_name.endswith("gate_up_proj.weight") or param_name.endswith("gate_up_proj.bias"):
-            return [self.config.intermediate_size] * 2
+            return list(self.layers[0].mlp.gate_up_proj.local_sizes)
         return None
 
     def expected_checkpoint_names(self) -> list[str]:
@@ -312,7 +317,11 @@ class DSparkDrafter(nn.Module):
             name = cls.checkpoint_name_to_param(name)
             if name not in SHARED_TENSORS:
                 return False
-            ours = (model.embed_tokens if name.startswith("embed") else model.lm_head).weight
+            module = model.embed_tokens if name.startswith("embed") else model.lm_head
+            ours = module.weight
+            if getattr(module, "tp", None) is not None and module.tp.size > 1:
+                if tensor.shape[0] == module.org_vocab_size:  # compare this rank's rows
+                    tensor = module.shard_of(tensor)
             _warn_if_different(name, tensor, ours, path)
             return True
 

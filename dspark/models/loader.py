@@ -4,6 +4,10 @@ Every parameter must be written exactly once (packed parameters: each shard once
 tensor, a shape mismatch, an unreadable file or an unexpected tensor raises an error that names
 it. Tensors a model declares as optional (e.g. a drafter's copy of the target's embedding) are
 skipped or compared through the `ignore` callback.
+
+A parameter whose module has a `weight_loader(param, tensor, shard_id)` (the tensor-parallel
+layers of dspark/layers/parallel.py) receives the full checkpoint tensor and copies its own
+rank's slice; the others are copied whole (or part by part for packed parameters).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def load_weights(
     tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {
         n for n, p in model.named_parameters()
     }
+    modules = dict(model.named_modules())
     written: dict[str, set[int]] = {}
     for ckpt_name, tensor in iter_tensors(path):
         if ignore(ckpt_name, tensor):
@@ -78,8 +83,17 @@ def load_weights(
                 continue
             raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint {path!r}")
         param = params[name]
+        owner = modules.get(name.rpartition(".")[0])
+        weight_loader = getattr(owner, "weight_loader", None)
         with torch.no_grad():
-            if shard is None:
+            if weight_loader is not None:
+                try:
+                    weight_loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"tensor {ckpt_name!r} {e}") from None
+                parts = range(len(shard_sizes(name) or [0])) if shard is None else [shard]
+                written.setdefault(name, set()).update(parts)
+            elif shard is None:
                 _check_shape(ckpt_name, tensor.shape, param.shape)
                 param.copy_(tensor)
                 written.setdefault(name, set()).add(0)

@@ -7,6 +7,10 @@ head_dim that may differ from hidden_size / num_heads.
 The forward pass runs on a flat ragged token stream [T]; attention metadata comes from the
 forward context. It can also return the residual stream after chosen decoder layers (the
 DSpark drafter's context features, HF `hidden_states[l + 1]`).
+
+Tensor parallel (dspark/layers/parallel.py): heads and the MLP width are split across ranks,
+the embedding and LM head across the vocabulary; every rank ends a layer with the same full
+residual stream and gets full-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -17,23 +21,35 @@ from torch import nn
 
 from dspark.forward_context import get_forward_context
 from dspark.layers.norm import RMSNorm, fused_ops
+from dspark.layers.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.config import ModelConfig
 
 
 class Attention(nn.Module):
+    """Tensor parallel: this rank's heads (num_heads / N, num_kv_heads / N); the output
+    projection all-reduces."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = cfg.attention_bias
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias, "the attention width"
+        )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -58,9 +74,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], cfg.mlp_bias, "intermediate_size"
+        )
+        self.inter = self.gate_up_proj.local_sizes[0]  # this rank's share
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, cfg.mlp_bias, "intermediate_size"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -101,20 +122,21 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def shard_sizes(self, param_name: str) -> list[int] | None:
+        """This rank's sizes of the parts of a packed parameter."""
         if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
             attn = self.layers[0].self_attn
             return [attn.q_size, attn.kv_size, attn.kv_size]
         if param_name.endswith("gate_up_proj.weight") or param_name.endswith("gate_up_proj.bias"):
-            return [self.config.intermediate_size] * 2
+            return list(self.layers[0].mlp.gate_up_proj.local_sizes)
         return None
 
     @staticmethod

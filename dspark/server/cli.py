@@ -49,6 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--seed", type=int, default=0)
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+      help="shard the model over N GPUs (N processes started by the server)")
     a("--load-format", default="auto", choices=["auto", "dummy"],
       help="dummy: random weights from config.json alone (benchmarks only)")
     a("--max-waiting", type=_positive_int, default=1024,
@@ -117,6 +119,7 @@ def build_engine_config(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
             load_format=args.load_format, speculative_config=spec,
+            tensor_parallel_size=args.tensor_parallel_size,
         )  # fmt: skip
     except (ValueError, TypeError) as e:
         raise ServeError(f"invalid configuration: {e}") from None
@@ -161,6 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("serving %r (max_model_len=%d) on http://%s:%d", name, engine.max_model_len,
                 args.host, args.port)  # fmt: skip
     server.run()
+    engine.engine.runner.shutdown()  # tensor-parallel workers, if any
     return 0 if engine.dead_error is None else 1
 
 
