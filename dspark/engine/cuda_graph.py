@@ -55,7 +55,7 @@ class CudaGraphRunner:
         self.max_reqs = cfg.max_num_seqs
         dev = runner.device
         t, r = self.buckets[-1], min(self.buckets[-1], self.max_reqs)
-        max_blocks = -(-runner.max_model_len // runner.block_size) + 1
+        max_blocks = runner.max_blocks_per_seq
         self.max_seq_len = runner.max_model_len
         self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(t, dtype=torch.int64, device=dev)

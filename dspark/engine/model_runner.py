@@ -148,14 +148,22 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, max_query_len=1 + k, max_tokens=max_tokens)
             self.graphs.capture()
             if self.spec is not None:
-                max_blocks = -(-self.max_model_len // self.block_size) + 1
-                self.spec.capture_graphs(config.max_num_seqs, self.max_model_len, max_blocks)
+                self.spec.capture_graphs(
+                    config.max_num_seqs, self.max_model_len, self.max_blocks_per_seq
+                )
         if self.spec is not None and self.spec.needs_cost_model:
             self._install_cost_model()
         logger.info(
             "KV cache: %d blocks x %d tokens (%s, %s backend)",
             self.num_blocks, self.block_size, device, self.backend.name,
         )  # fmt: skip
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Widest block table a step can carry: a sequence at max_model_len plus its K
+        lookahead draft slots."""
+        k = self.spec.k if self.spec is not None else 0
+        return -(-(self.max_model_len + k + 1) // self.block_size) + 1
 
     def _install_cost_model(self) -> None:
         from dspark.spec.cost_model import CostModel

@@ -107,3 +107,23 @@ def test_acceptance_accounting(tiny_qwen, reference, tmp_path):
         produced = sd["num_accepted_tokens"] + sd["num_steps"]
         # the last round may emit more than max_tokens allows; the surplus is dropped
         assert 0 <= produced - (len(o.outputs[0].token_ids) - 1) <= k
+
+
+def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter):
+    """CUDA graphs size their block-table buffer by max_blocks_per_seq; a sequence at
+    max_model_len with K lookahead slots must fit it."""
+    spec = {"model": drafter("vanilla"), "num_speculative_tokens": 7}
+    llm = LLM(tiny_qwen, device="cpu", block_size=4, max_model_len=40, speculative_config=spec)
+    runner = llm.engine.runner
+    widest = []
+    execute = runner.execute
+
+    def spy(sched, tables, plan):
+        widest.append(max(len(t) for t in tables))
+        return execute(sched, tables, plan)
+
+    runner.execute = spy
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(1, 31))}], params)
+    assert max(widest) > -(-40 // 4)  # lookahead slots went past max_model_len
+    assert max(widest) <= runner.max_blocks_per_seq
