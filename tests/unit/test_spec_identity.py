@@ -125,5 +125,5 @@ def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter)
     runner.execute = spy
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(1, 31))}], params)
-    assert max(widest) > -(-40 // 4)  # lookahead slots went past max_model_len
+    assert max(widest) > -(-40 // 4) + 1  # past the old max_model_len-only sizing
     assert max(widest) <= runner.max_blocks_per_seq
