@@ -43,6 +43,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config)
+        self.engine.stream_text = False  # generate() returns final outputs only
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -80,6 +80,9 @@ class LLMEngine:
         self._counter = itertools.count()
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.spec_stats = SpecStats()
+        # text of unfinished outputs each step (servers stream it); the offline API only
+        # needs the final text, so it turns this off and skips per-step detokenization
+        self.stream_text = True
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "step_time_ms": 0.0}  # fmt: skip
 
@@ -247,13 +250,15 @@ class LLMEngine:
         return self.detokenizer.decode(token_ids)
 
     def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        if not isinstance(req.stop_reason, str):  # a stop string already fixed the text
+        if (self.stream_text or req.is_finished) and not isinstance(req.stop_reason, str):
+            # (a stop string has already fixed the text)
             self.detokenizer.update(req)
             if req.is_finished and req.read_offset < req.num_output_tokens:
                 # flush a held-back tail (e.g. an incomplete character at the very end)
                 req.output_text = self.decode(req.output_token_ids)
         finish = req.status.value if req.is_finished else None
-        spec = req.spec.as_dict() if self.runner.spec is not None else None
+        # per-request speculation stats are reported with the final output
+        spec = req.spec.as_dict() if self.runner.spec is not None and req.is_finished else None
         if req.is_finished:
             self.requests.pop(req.request_id, None)
         return RequestOutput(
