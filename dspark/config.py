@@ -36,6 +36,9 @@ class SpeculativeConfig:
     confidence_calibration_path: str | None = None
     confidence_threshold: float = 0.5
     snap_budget_to_graphs: bool = False
+    # learn the non-trimmable per-step cost (host work, sampling, ...) from measured step
+    # times; applies to tables profiled on this machine (start-up or `dspark profile`)
+    online_cost_correction: bool = True
     # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
     # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were
     synthetic_acceptance_rates: list[float] | None = None

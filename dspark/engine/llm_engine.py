@@ -165,6 +165,7 @@ class LLMEngine:
             self.stats["step_time_ms"] += (time.perf_counter() - t0) * 1e3
 
     def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:
@@ -178,7 +179,12 @@ class LLMEngine:
         tables = [self.block_manager.block_table(r.req) for r in sched.rows]
         result = self.runner.execute(sched, tables, plan)
         self.stats["steps"] += 1
-        return self._commit(sched, result)
+        outputs = self._commit(sched, result)
+        if self.runner.spec is not None:  # the whole step, host work included, is the cost
+            self.runner.spec.observe_step_time(
+                (time.perf_counter() - t0) * 1e3, result.num_tokens, len(sched.rows)
+            )
+        return outputs
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = []

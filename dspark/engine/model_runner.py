@@ -41,6 +41,7 @@ class StepResult:
     emitted: list[list[int]]  # per scheduled row: tokens to commit (empty for non-sampling rows)
     verified: list[int]  # per row: drafts sent to the target
     drafted: list[int]  # per row: drafts that were available (capacity)
+    num_tokens: int = 0  # tokens in the target forward
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -326,4 +327,4 @@ class ModelRunner:
         lengths = host[r * width + r :]
         emitted = [out[i, : num_out[i]].tolist() for i in range(r)]
         drafted = [row.num_draft_slots for row in rows]
-        return StepResult(emitted, lengths.tolist(), drafted)
+        return StepResult(emitted, lengths.tolist(), drafted, inp.num_tokens)

@@ -110,6 +110,7 @@ class SpecDecoder:
             self.sts = list(temps[: self.k])
         self._policy = sc.adaptive_policy
         self.cost = None
+        self._online_cost, self._cost_steps, self._table_fixed_ms = False, 0, 0.0
         self.cost_status = "not needed by this policy"
         self.planner: Planner | None = None
         if not self.needs_cost_model:
@@ -146,6 +147,12 @@ class SpecDecoder:
         """Install the cost model (loaded or profiled) and build the planner."""
         self.cost = cost
         self.cost_status = status
+        self._online_cost = (
+            self.sc.online_cost_correction
+            and cost is not None
+            and cost.provenance.get("source") == "profiled"
+        )
+        self._cost_steps = 0
         self.planner = Planner(
             self._policy,
             cost,
@@ -315,6 +322,28 @@ class SpecDecoder:
             self._conf_copy_done = torch.cuda.Event()
             self._conf_copy_done.record()
 
+    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
+        """Online correction of the cost model's fixed per-step term: the measured step time
+        beyond what the table predicts for this step's tokens (host scheduling, input
+        building, sampling, the commit) is a cost no trimming can remove. Leaving it out makes
+        every token look relatively expensive and the planner over-trims. An exponential
+        moving average of the residual replaces the table's fixed term; warm-up steps (kernel
+        compilation) are skipped."""
+        if not self._online_cost or num_reqs == 0:
+            return
+        self._cost_steps += 1
+        if self._cost_steps <= 3:
+            return
+        cost = self.cost
+        variable = float(cost.step_time_ms(num_tokens, num_reqs)) - cost.fixed_overhead_ms
+        residual = max(0.0, step_ms - variable)
+        cost.fixed_overhead_ms = 0.9 * cost.fixed_overhead_ms + 0.1 * residual
+        # device tables of the early-stop policy embed the fixed term: rebuild on real change
+        if abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
+            self._table_fixed_ms = cost.fixed_overhead_ms
+            if self.planner is not None:
+                self.planner.invalidate_tables()
+
     def scheduler_overhead_ms(self) -> tuple[float, float]:
         """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
         for them, so call this from reports, not from the step."""
@@ -332,5 +361,6 @@ class SpecDecoder:
             "predicted_gain": None if d is None else d.predicted_gain,
             "trimmed": None if d is None else d.trimmed,
             "cost_table_status": self.cost_status,
+            "fixed_overhead_ms": None if self.cost is None else self.cost.fixed_overhead_ms,
             "confidence_source": "head" if self.use_head else "online",
         }

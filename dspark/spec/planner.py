@@ -254,6 +254,10 @@ class Planner:
         self.last_decision = d
         return d.budget
 
+    def invalidate_tables(self) -> None:
+        """Drop cached device step-time tables (after the cost model changed)."""
+        self._tables.clear()
+
     def _table(self, num_tokens: int, num_reqs: int, device) -> torch.Tensor:
         key = (num_tokens, num_reqs, str(device))
         if key not in self._tables:

@@ -127,3 +127,37 @@ def test_scheduler_overhead_is_measured(tiny_qwen, drafter, tmp_path):
     plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
     step_ms = llm.engine.stats["step_time_ms"]
     assert 0 < plan_ms < step_ms and 0 < alloc_ms < step_ms
+
+
+def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
+    """A start-up profile times only the forward and the drafter; the engine's real steps also
+    pay host work. The fixed term converges to the measured residual."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    assert spec.cost.provenance["source"] == "profiled" and spec.cost.fixed_overhead_ms == 0.0
+    seen = []
+    observe = spec.observe_step_time
+
+    def spy(step_ms, num_tokens, num_reqs):
+        variable = float(spec.cost.step_time_ms(num_tokens, num_reqs)) - spec.cost.fixed_overhead_ms
+        seen.append(max(0.0, step_ms - variable))
+        observe(step_ms, num_tokens, num_reqs)
+
+    spec.observe_step_time = spy
+    _generate(llm)
+    assert len(seen) >= 15
+    learned = spec.cost.fixed_overhead_ms
+    assert learned > 0 and spec.metrics()["fixed_overhead_ms"] == learned
+    # an EMA of the residuals: within their range and near their recent level
+    recent = sorted(seen[-20:])
+    assert recent[0] * 0.5 <= learned <= recent[-1] * 1.5
+
+
+def test_no_online_correction_for_tables_from_elsewhere(tiny_qwen, drafter, tmp_path):
+    path = _table(tmp_path, "given", weight_read_ms=1.0, ms_per_token=0.01)
+    llm = _llm(tiny_qwen, drafter, "lagged", path)
+    before = llm.engine.runner.spec.cost.fixed_overhead_ms
+    _generate(llm)
+    assert llm.engine.runner.spec.cost.fixed_overhead_ms == before
