@@ -59,6 +59,7 @@ class SpecDecoder:
     ):
         sc = config.speculative_config
         self.sc = sc
+        self.tensor_parallel_size = config.tensor_parallel_size
         self.k = sc.num_speculative_tokens
         self.device = device
         self.backend = backend
@@ -147,8 +148,10 @@ class SpecDecoder:
         """Install the cost model (loaded or profiled) and build the planner."""
         self.cost = cost
         self.cost_status = status
+        # not under tensor parallelism: every rank's early-stop table must stay identical
         self._online_cost = (
             self.sc.online_cost_correction
+            and self.tensor_parallel_size == 1
             and cost is not None
             and cost.provenance.get("source") == "profiled"
         )
