@@ -147,11 +147,19 @@ class ModelRunner:
             k = self.spec.k if self.spec is not None else 0
             max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k), 1024)
             self.graphs = CudaGraphRunner(self, max_query_len=1 + k, max_tokens=max_tokens)
-            self.graphs.capture()
-            if self.spec is not None:
-                self.spec.capture_graphs(
-                    config.max_num_seqs, self.max_model_len, self.max_blocks_per_seq
-                )
+            try:
+                self.graphs.capture()
+                if self.spec is not None:
+                    self.spec.capture_graphs(
+                        config.max_num_seqs, self.max_model_len, self.max_blocks_per_seq
+                    )
+            except Exception:  # serve eagerly rather than not at all, and say so
+                if self.tp.size > 1:
+                    raise  # ranks must agree on graphs; a one-sided fallback would diverge
+                logger.exception("CUDA graph capture failed: running eagerly (slower)")
+                self.graphs = None
+                if self.spec is not None:
+                    self.spec.draft_graphs = None
         if self.spec is not None and self.spec.needs_cost_model:
             self._install_cost_model()
         logger.info(
