@@ -124,6 +124,9 @@ class LLMEngine:
             request_id, token_ids, params, self.eos_token_ids, seed, text, cache_salt,
             arrival_time,
         )  # fmt: skip
+        # the request ends by length at this many tokens (prompt + max_tokens, or the context)
+        limit = self.max_model_len if params.max_tokens is None else n + params.max_tokens
+        req.max_total_tokens = min(limit, self.max_model_len)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -225,22 +228,21 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, req: Request, tok: int) -> bool:
-        params = req.params
+        """Called after each appended token (hot: once per generated token)."""
         if tok in req.eos_token_ids:
             req.stop_reason = None
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif tok in req.stop_token_ids:
             req.stop_reason = tok
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif params.stop_strings and self.detokenizer.find_stop(
-            req, self.detokenizer.update(req)
+        elif not (
+            req.params.stop_strings
+            and self.detokenizer.find_stop(req, self.detokenizer.update(req))
         ):
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
-        elif req.num_tokens >= self.max_model_len:
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
-        return req.is_finished
+            if len(req.token_ids) < req.max_total_tokens:
+                return False
+            self._finish(req, RequestStatus.FINISHED_LENGTH)  # max_tokens or max_model_len
+            return True
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

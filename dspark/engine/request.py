@@ -126,6 +126,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        self.max_total_tokens = 1 << 62  # set by the engine: the length at which it finishes
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.num_preemptions = 0
         self.has_drafts = False  # drafts for the next verify live on the device
