@@ -39,6 +39,8 @@ class SpeculativeConfig:
     # learn the non-trimmable per-step cost (host work, sampling, ...) from measured step
     # times; applies to tables profiled on this machine (start-up or `dspark profile`)
     online_cost_correction: bool = True
+    # lagged policy: skip drafting entirely while no verify length would pay for the drafter
+    draft_skipping: bool = True
     # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
     # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were
     synthetic_acceptance_rates: list[float] | None = None

@@ -222,7 +222,8 @@ class LLMEngine:
                 self.block_manager.free(req)
                 self._release_slot(req)
             else:
-                req.has_drafts = self.runner.spec is not None
+                spec = self.runner.spec
+                req.has_drafts = spec is not None and spec.draft_enabled
                 self.block_manager.cache_full_blocks(req)
             outputs.append(self._make_output(req, new_tokens))
         return outputs

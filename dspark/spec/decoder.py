@@ -118,6 +118,9 @@ class SpecDecoder:
             self.planner = Planner(self._policy, threshold=sc.confidence_threshold)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_budget: int | None = None
+        # draft-skipping (lagged policy): whether this step proposes drafts for the next one
+        self.draft_enabled = True
+        self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -181,17 +184,46 @@ class SpecDecoder:
 
     def _plan(self, rows) -> int:
         caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
-        if not caps.any():
-            self.last_budget = 0
-            return 0
-        self._refresh_host_conf()
-        slots = np.array([r.req.slot for r in rows], dtype=np.int64)
-        stale = self.host_conf.numpy()[slots]
         other = sum(r.num_non_draft_tokens for r in rows) - len(rows)
         n_sampling = sum(1 for r in rows if r.samples)
-        budget = self.planner.plan_cpu(stale, caps, other, n_sampling)
+        budget = 0
+        if caps.any():
+            self._refresh_host_conf()
+            slots = np.array([r.req.slot for r in rows], dtype=np.int64)
+            stale = self.host_conf.numpy()[slots]
+            has = caps > 0
+            survival = np.cumprod(np.nan_to_num(stale[has], nan=1.0), axis=1).mean(axis=0)
+            a = 0.2 if self._survival is not None else 1.0
+            self._survival = a * survival + (1 - a) * (
+                survival if self._survival is None else self._survival
+            )
+            budget = self.planner.plan_cpu(stale, caps, other, n_sampling)
         self.last_budget = budget
+        self.draft_enabled = self._drafting_pays(len(rows), other, n_sampling)
         return budget
+
+    def _drafting_pays(self, num_reqs: int, other: int, num_sampling: int) -> bool:
+        """Draft after this step only if some verify length beats plain decoding once the
+        drafter's own (untrimmable) cost is paid. Decided from stale, aggregate survival (never
+        from the drafts it gates), so skipping drafting is lossless; when load falls the same
+        comparison turns drafting back on."""
+        if (
+            not self.sc.draft_skipping
+            or self._survival is None
+            or self.tensor_parallel_size > 1  # ranks must agree; not broadcast (yet)
+            or num_sampling == 0
+        ):
+            return True
+        cost = self.cost
+        base = num_reqs + other
+        plain = num_sampling / max(
+            float(cost.fixed_overhead_ms + cost.verify_cost_ms(base)), 1e-6
+        )  # fmt: skip
+        lengths = np.arange(1, self.k + 1)
+        gains = num_sampling * (1.0 + np.cumsum(self._survival[: self.k]))
+        times = cost.step_time_ms(base + num_sampling * lengths, num_reqs)
+        best = float((gains / times).max())
+        return best > plain * (1.0 + self.sc.min_predicted_gain)
 
     def _refresh_host_conf(self) -> None:
         # Use the last copy that has landed; never wait for the device.
@@ -287,6 +319,8 @@ class SpecDecoder:
     def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):
         d = self.drafter
         d.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches, self.backend)
+        if not self.draft_enabled:
+            return  # context still written: drafting can resume at any later step
         last = (num_out - 1).clamp(min=0)
         anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
         anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
@@ -338,7 +372,9 @@ class SpecDecoder:
         if self._cost_steps <= 3:
             return
         cost = self.cost
-        variable = float(cost.step_time_ms(num_tokens, num_reqs)) - cost.fixed_overhead_ms
+        variable = float(cost.verify_cost_ms(num_tokens))
+        if self.draft_enabled:  # the drafter ran in this step
+            variable += float(cost.draft_cost_ms(num_reqs))
         residual = max(0.0, step_ms - variable)
         cost.fixed_overhead_ms = 0.9 * cost.fixed_overhead_ms + 0.1 * residual
         # device tables of the early-stop policy embed the fixed term: rebuild on real change
@@ -366,4 +402,5 @@ class SpecDecoder:
             "cost_table_status": self.cost_status,
             "fixed_overhead_ms": None if self.cost is None else self.cost.fixed_overhead_ms,
             "confidence_source": "head" if self.use_head else "online",
+            "drafting": self.draft_enabled,
         }

@@ -141,7 +141,9 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     observe = spec.observe_step_time
 
     def spy(step_ms, num_tokens, num_reqs):
-        variable = float(spec.cost.step_time_ms(num_tokens, num_reqs)) - spec.cost.fixed_overhead_ms
+        variable = float(spec.cost.verify_cost_ms(num_tokens))
+        if spec.draft_enabled:
+            variable += float(spec.cost.draft_cost_ms(num_reqs))
         seen.append(max(0.0, step_ms - variable))
         observe(step_ms, num_tokens, num_reqs)
 
@@ -161,3 +163,40 @@ def test_no_online_correction_for_tables_from_elsewhere(tiny_qwen, drafter, tmp_
     before = llm.engine.runner.spec.cost.fixed_overhead_ms
     _generate(llm)
     assert llm.engine.runner.spec.cost.fixed_overhead_ms == before
+
+
+def test_drafting_is_skipped_when_it_cannot_pay(tiny_qwen, drafter, reference, tmp_path):
+    # the drafter costs 20 ms per step, verification is nearly free: with this random drafter's
+    # low acceptance, plain decoding wins and the lagged policy stops drafting
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path)
+    assert _generate(llm) == reference  # lossless: skipped rounds are plain decoding
+    spec = llm.engine.runner.spec
+    decode_rounds = sum(MAX_NEW - 1 for _ in PROMPTS)
+    assert 0 < llm.engine.spec_stats.num_steps < 0.25 * decode_rounds
+    assert spec.metrics()["drafting"] is False
+    # the same table with skipping disabled drafts every round
+    llm = _llm(tiny_qwen, drafter, "lagged", path, draft_skipping=False)
+    assert _generate(llm) == reference
+    assert llm.engine.spec_stats.num_steps >= 0.9 * decode_rounds
+
+
+def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
+    import os
+
+    full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(open(os.path.join(full, "config.json")).read())
+    path = _table(tmp_path, "cheap_drafter", weight_read_ms=5.0, ms_per_token=0.001,
+                  fixed_overhead_ms=1.0, draft_base_ms=0.5, draft_ms_per_req=0.0)  # fmt: skip
+    cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "cost_table_path": path, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_rates": [0.95] * 4}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    st = llm.engine.spec_stats
+    assert llm.engine.runner.spec.metrics()["drafting"] is True
+    assert st.num_accepted_tokens > 2 * st.num_steps  # long accepted runs, drafting kept on

@@ -76,8 +76,9 @@ CONFIGS = {
                                     confidence_threshold=0.5),
     "block_prob_early_stop": dict(num_speculative_tokens=3, adaptive_policy="early_stop",
                                   rejection_sample_method="block"),
+    # draft skipping off: this case tests that trimming verification keeps the law
     "standard_greedy_lagged": dict(num_speculative_tokens=3, adaptive_policy="lagged",
-                                   draft_sample_method="greedy"),
+                                   draft_sample_method="greedy", draft_skipping=False),
 }  # fmt: skip
 
 
