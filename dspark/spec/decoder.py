@@ -31,6 +31,8 @@ from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
 
+_PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
+
 
 class _Timer:
     """Times a region on the device (CUDA events, read lazily) or on the host clock."""
@@ -121,6 +123,7 @@ class SpecDecoder:
         # draft-skipping (lagged policy): whether this step proposes drafts for the next one
         self.draft_enabled = True
         self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
+        self._skipped = 0  # consecutive steps that skipped drafting
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -199,7 +202,10 @@ class SpecDecoder:
             )
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling)
         self.last_budget = budget
-        self.draft_enabled = self._drafting_pays(len(rows), other, n_sampling)
+        pays = self._drafting_pays(len(rows), other, n_sampling)
+        # while skipping, draft once in a while anyway so the survival estimate stays fresh
+        self._skipped = 0 if pays else self._skipped + 1
+        self.draft_enabled = pays or self._skipped % _PROBE_EVERY == 0
         return budget
 
     def _drafting_pays(self, num_reqs: int, other: int, num_sampling: int) -> bool:
