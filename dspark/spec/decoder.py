@@ -27,32 +27,12 @@ from dspark.spec.confidence import (
 )
 from dspark.spec.planner import Planner
 from dspark.spec.synthetic import verify_synthetic
+from dspark.spec.tracing import Timer, trace_record
 from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
 
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
-
-
-class _Timer:
-    """Times a region on the device (CUDA events, read lazily) or on the host clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            start = self.start
-            return lambda: (end.synchronize(), start.elapsed_time(end))[1]
-        ms = (time.perf_counter() - self.t0) * 1e3
-        return lambda: ms
 
 
 class SpecDecoder:
@@ -242,7 +222,7 @@ class SpecDecoder:
         if inp.max_capacity == 0 or self._policy == "fixed":
             finalize(inp, None, None, None)
             return
-        timer = _Timer(self.device)
+        timer = Timer(self.device)
         conf = self.conf[inp.slots]
         caps = inp.capacities * inp.samples.long()
         num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
@@ -308,18 +288,9 @@ class SpecDecoder:
         self.trace = []
 
     def _record(self, inp: StepInputs, num_out: torch.Tensor) -> None:
-        has = (inp.samples & (inp.capacities > 0)).cpu().numpy()
-        if not has.any():
-            return
-        slots = inp.slots
-        self.trace.append({
-            "slots": slots.cpu().numpy()[has],
-            "conf": self.conf[slots].cpu().numpy()[has],
-            "conf_logits": self.conf_logits[slots].cpu().numpy()[has],
-            "capacities": inp.capacities.cpu().numpy()[has],
-            "verified": inp.lengths.cpu().numpy()[has],
-            "accepted": (num_out - 1).clamp(min=0).cpu().numpy()[has],
-        })  # fmt: skip
+        record = trace_record(inp, num_out, self.conf, self.conf_logits)
+        if record is not None:
+            self.trace.append(record)
 
     # -- draft --------------------------------------------------------------------------------
     def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):

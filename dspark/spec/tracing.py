@@ -1,0 +1,47 @@
+"""Measurement helpers of the speculative decoder: region timers and per-step trace records."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Timer:
+    """Times a region on the device (CUDA events, read lazily) or on the host clock.
+    `stop()` returns a callable giving milliseconds; calling it waits for the device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            start = self.start
+            return lambda: (end.synchronize(), start.elapsed_time(end))[1]
+        ms = (time.perf_counter() - self.t0) * 1e3
+        return lambda: ms
+
+
+def trace_record(inp, num_out: torch.Tensor, conf: torch.Tensor, conf_logits: torch.Tensor):
+    """Host copy of one step's verified blocks (rows that had drafts): slots, calibrated
+    conditional confidences, raw head logits, capacities, verify lengths and accepted drafts.
+    None when no row had drafts. Synchronizes with the device."""
+    has = (inp.samples & (inp.capacities > 0)).cpu().numpy()
+    if not has.any():
+        return None
+    slots = inp.slots
+    return {
+        "slots": slots.cpu().numpy()[has],
+        "conf": conf[slots].cpu().numpy()[has],
+        "conf_logits": conf_logits[slots].cpu().numpy()[has],
+        "capacities": inp.capacities.cpu().numpy()[has],
+        "verified": inp.lengths.cpu().numpy()[has],
+        "accepted": (num_out - 1).clamp(min=0).cpu().numpy()[has],
+    }
