@@ -23,20 +23,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from make_shape_dirs import QWEN3_8B  # noqa: E402
 
+TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
 
-def ceilings() -> dict:
-    n = 1 << 30  # 1 GiB per buffer
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+
+def ceilings(device: str) -> dict:
+    cuda = device == "cuda"
+    n = 1 << (30 if cuda else 24)  # bytes per buffer
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_()
     b = torch.empty_like(a)
     ms = _time(lambda: b.copy_(a), 20)
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    m = 8192 if cuda else 256
+    x = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    y = torch.randn(m, m, dtype=torch.bfloat16, device=device)
     mm = _time(lambda: x @ y, 20)
     a = b = None  # free the buffers
-    return {"copy_tb_s": 2 * n / ms / 1e9, "bf16_tflops": 2 * 8192**3 / mm / 1e9}
+    return {"copy_tb_s": 2 * n / ms / 1e9, "bf16_tflops": 2 * m**3 / mm / 1e9}
 
 
 def _time(fn, iters: int, warmup: int = 3) -> float:
+    if not torch.cuda.is_available():  # --smoke on a CPU: host clock
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -52,12 +66,12 @@ def _time(fn, iters: int, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
-def make_engine(model_dir: str, max_num_seqs: int, util: float):
+def make_engine(model_dir: str, max_num_seqs: int, util: float, device: str = "cuda"):
     from dspark.config import EngineConfig
     from dspark.engine.llm_engine import LLMEngine
 
     cfg = EngineConfig(
-        model=model_dir, load_format="dummy", dtype="bfloat16", device="cuda",
+        model=model_dir, load_format="dummy", dtype="bfloat16", device=device,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, max_model_len=4096,
         gpu_memory_utilization=util,
     )  # fmt: skip
@@ -81,9 +95,10 @@ def run_generate(engine, concurrency: int, prompt_len: int, out_len: int) -> flo
     gen = torch.Generator().manual_seed(concurrency)
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i in range(concurrency):
-        ids = torch.randint(0, 150000, (prompt_len,), generator=gen).tolist()
+        ids = torch.randint(0, engine.model_config.vocab_size, (prompt_len,),
+                            generator=gen).tolist()  # fmt: skip
         engine.add_request(f"c{concurrency}-{i}", {"prompt_token_ids": ids}, params)
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     produced, decode_steps = 0, []
     sched = engine.scheduler
@@ -97,31 +112,36 @@ def run_generate(engine, concurrency: int, prompt_len: int, out_len: int) -> flo
             produced += len(o.new_token_ids)
         if pure:
             decode_steps.append(time.perf_counter() - ts)
-    torch.cuda.synchronize()
+    _sync()
     assert produced == concurrency * out_len, produced
     decode_steps.sort()
     step_ms = 1e3 * decode_steps[len(decode_steps) // 2] if decode_steps else float("nan")
     return produced / (time.perf_counter() - t0), step_ms
 
 
-def hf_generate(model_dir, concurrencies, prompt_len, out_len) -> dict:
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_generate(model_dir, concurrencies, prompt_len, out_len, device="cuda") -> dict:
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
     model.eval()
     model.generation_config.eos_token_id = None
     res = {}
     for c in concurrencies:
-        ids = torch.randint(0, 150000, (c, prompt_len), device="cuda")
+        ids = torch.randint(0, config.vocab_size, (c, prompt_len), device=device)
         with torch.no_grad():
             model.generate(ids[:, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=out_len, do_sample=False, pad_token_id=0,
                            attention_mask=torch.ones_like(ids))  # fmt: skip
-            torch.cuda.synchronize()
+            _sync()
         res[c] = c * out_len / (time.perf_counter() - t0)
     return res
 
@@ -133,23 +153,29 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny shape on the CPU: checks the script itself, numbers mean nothing")
     args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.concurrency, args.prompt_len, args.output_len = "1,4", 16, 8
     conc = [int(c) for c in args.concurrency.split(",")]
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["ceilings"] = ceil = ceilings()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"
+    res: dict = {"device": name, "torch": torch.__version__}
+    res["ceilings"] = ceil = ceilings(device)
     print("ceilings", ceil, flush=True)
-    model_dir = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
+    model_dir = tempfile.mkdtemp(prefix="bench-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(QWEN3_8B, f)
+        json.dump(TINY if args.smoke else QWEN3_8B, f)
     t0 = time.perf_counter()
-    engine = make_engine(model_dir, max(conc), 0.80)
+    engine = make_engine(model_dir, max(conc), 0.80, device)
     res["engine_start_s"] = time.perf_counter() - t0
     n_params = sum(p.numel() for p in engine.runner.model.parameters())
     weight_bytes = 2 * n_params
     floor_ms = weight_bytes / (ceil["copy_tb_s"] * 1e12) * 1e3
     res["params"] = n_params
     res["weight_read_floor_ms"] = floor_ms
-    lat = forward_latency(engine, [1, 8, 64, 256, 1024, 4096])
+    lat = forward_latency(engine, [1, 8, 64] if args.smoke else [1, 8, 64, 256, 1024, 4096])
     res["forward_ms"] = lat
     print("forward latency ms", lat, flush=True)
     res["decode_b1_ratio_to_floor"] = lat[1] / floor_ms
@@ -163,7 +189,8 @@ def main() -> int:
     # decode step at the largest concurrency vs its floors (weights + KV read; compute)
     c = max(conc)
     ctx = args.prompt_len + args.output_len // 2
-    kv_bytes = c * ctx * engine.model_config.num_hidden_layers * 2 * 8 * 128 * 2
+    mc = engine.model_config
+    kv_bytes = c * ctx * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2
     mem_floor = (weight_bytes + kv_bytes) / (ceil["copy_tb_s"] * 1e12) * 1e3
     compute_floor = 2 * n_params * c / (ceil["bf16_tflops"] * 1e12) * 1e3
     res["decode_step_at_max_conc"] = {
@@ -171,12 +198,14 @@ def main() -> int:
         mem_floor, "compute_floor_ms": compute_floor,
     }  # fmt: skip
     del engine
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     if not args.skip_hf:
-        res["hf_tok_s"] = hf_generate(model_dir, conc, args.prompt_len, args.output_len)
+        res["hf_tok_s"] = hf_generate(model_dir, conc, args.prompt_len, args.output_len, device)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    print("\n=== summary (Qwen3-8B shape, random bf16 weights, " + res["device"] + ") ===")
+    shape = "tiny smoke shape" if args.smoke else "Qwen3-8B shape"
+    print(f"\n=== summary ({shape}, random bf16 weights, {res['device']}) ===")
     print(f"copy {ceil['copy_tb_s']:.2f} TB/s, bf16 matmul {ceil['bf16_tflops']:.0f} TFLOP/s, "
           f"weights {weight_bytes / 1e9:.1f} GB, weight-read floor {floor_ms:.2f} ms")
     print(f"(a) decode batch 1 forward: {lat[1]:.2f} ms = {lat[1] / floor_ms:.2f}x floor")

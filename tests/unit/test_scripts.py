@@ -1,0 +1,23 @@
+"""The GPU benchmark script runs end to end in its CPU smoke mode (so it cannot rot between
+GPU sessions); its numbers are meaningless on a CPU and are not checked beyond sanity."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_gpu_bench_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/gpu_bench.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    tput = res["dspark_tok_s"]
+    assert set(tput) == {"1", "4"} and all(v > 0 for v in tput.values())
+    assert set(res["hf_tok_s"]) == {"1", "4"}
+    assert res["dspark_decode_step_ms"]["4"] > 0
+    assert "decode batch 1 forward" in proc.stdout
