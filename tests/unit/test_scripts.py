@@ -21,3 +21,13 @@ def test_gpu_bench_smoke(tmp_path):
     assert set(res["hf_tok_s"]) == {"1", "4"}
     assert res["dspark_decode_step_ms"]["4"] > 0
     assert "decode batch 1 forward" in proc.stdout
+
+
+def test_profile_example_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/profile_example.py", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads((tmp_path / "cost_table_smoke.json").read_text())
+    assert table["provenance"]["dtype"] == "bfloat16" and table["verify"]["ms"]
