@@ -161,11 +161,10 @@ def pack_step(
     ]  # fmt: skip
     fill = np.zeros((3, 0), dtype=np.int64)
     if caps.any():  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
-        dst = np.concatenate(
-            [qsl[i] + num_new[i] - caps[i] + np.arange(caps[i]) for i in range(num_reqs)]
-        )
-        src_k = np.concatenate([np.arange(c) for c in caps])
-        fill = np.stack([dst, np.repeat(slots, caps), src_k]).astype(np.int64)
+        row = np.repeat(np.arange(num_reqs), caps)
+        src_k = np.arange(int(caps.sum())) - np.repeat(np.cumsum(caps) - caps, caps)
+        dst = qsl[row] + num_new[row] - caps[row] + src_k  # slots after the row's anchor
+        fill = np.stack([dst, slots[row], src_k]).astype(np.int64)
     meta = np.array([
         num_reqs, total, max_blocks, int(num_new.max()) if num_reqs else 0,
         int((start + num_new).max()) if num_reqs else 0, int(samples.sum()),
