@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +42,9 @@ from dspark.models.drafter_config import (  # noqa: F401 (re-exported for caller
     check_compatible,
 )
 from dspark.models.markov_heads import ConfidenceHead, build_markov_head
-from dspark.models.qwen3 import MLP
+from dspark.models.qwen3 import MLP, CausalLM
 from dspark.sampling import rng
 from dspark.sampling.processors import processed_probs, sample_from_probs
-
-if TYPE_CHECKING:
-    from dspark.models.qwen3 import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +118,8 @@ class DrafterLayer(nn.Module):
 
 
 class DSparkDrafter(nn.Module):
-    # checkpoint name fragment -> (our packed parameter fragment, shard index)
+    # checkpoint name fragment -> (our packed parameter fragment, shard index). Prefixed,
+    # unlike the target's, because the gated Markov head has its own `markov_head.gate_proj`.
     packed_modules = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0),
         "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -130,6 +127,7 @@ class DSparkDrafter(nn.Module):
         "mlp.gate_proj": ("mlp.gate_up_proj", 0),
         "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
+    checkpoint_name_to_param = CausalLM.checkpoint_name_to_param  # same naming as the target
 
     def __init__(self, cfg: DrafterConfig, target: CausalLM):
         super().__init__()
@@ -277,10 +275,6 @@ class DSparkDrafter(nn.Module):
                       self.packed_modules.items() if f".{packed}." in f".{name}"]
             names.extend(shards or [name])
         return sorted(set(names))
-
-    @staticmethod
-    def checkpoint_name_to_param(name: str) -> str:
-        return name[len("model.") :] if name.startswith("model.") else name
 
     @classmethod
     def from_pretrained(
