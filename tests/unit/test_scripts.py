@@ -9,12 +9,17 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def test_gpu_bench_smoke(tmp_path):
+def _smoke(script: str, out) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "scripts/gpu_bench.py", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, f"scripts/{script}", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_gpu_bench_smoke(tmp_path):
+    proc = _smoke("gpu_bench.py", tmp_path)
     res = json.loads((tmp_path / "gpu_bench.json").read_text())
     tput = res["dspark_tok_s"]
     assert set(tput) == {"1", "4"} and all(v > 0 for v in tput.values())
@@ -24,10 +29,6 @@ def test_gpu_bench_smoke(tmp_path):
 
 
 def test_profile_example_smoke(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "scripts/profile_example.py", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _smoke("profile_example.py", tmp_path)
     table = json.loads((tmp_path / "cost_table_smoke.json").read_text())
     assert table["provenance"]["dtype"] == "bfloat16" and table["verify"]["ms"]
