@@ -222,16 +222,6 @@ def upload_step(
     )
 
 
-def build_step_inputs(
-    rows: list[ScheduledRow],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    draft_tokens: torch.Tensor | None,  # [S, K] persistent draft buffer on the device
-) -> StepInputs:
-    return upload_step(pack_step(rows, block_tables, block_size), device, draft_tokens)
-
-
 def finalize(
     inp: StepInputs, lengths: torch.Tensor | None, num_tokens: int | None, num_logits: int | None
 ) -> None:
