@@ -6,7 +6,11 @@
 #   bench   8B-shape forward latency and no-spec throughput vs HF generate
 #   train   the benchmark pair + demo pair (scripts/train_pair.py; needs .whl carried for
 #           HumanEval); the pair stays in out/pair for a following call
-#   e2e     three-arm serving sweep on out/pair, then the SYNTHETIC sweep on the 8B shape
+#   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
+#   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
+# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs.
+# $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
+# packs the rest (per-arm results, server logs, other plots) into one .tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -30,17 +34,28 @@ if [[ $STAGES == *profile* ]]; then
 fi
 if [[ $STAGES == *train* ]]; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
-    2>&1 | tee "$OUT/train_pair.log" | tail -30
+    ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_pair.log" | tail -30
+  cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
 fi
+pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest
+  pkill -f "dspark serve" 2>/dev/null  # servers of a run cut by the timeout
+  cp "/tmp/$1/bench_e2e.json" "$OUT/$1.json" 2>/dev/null
+  cp "/tmp/$1/sweep_t0.png" "$OUT/$1_t0.png" 2>/dev/null
+  tar -czf "$OUT/$1_files.tgz" -C /tmp "$1" 2>/dev/null
+}
 if [[ $STAGES == *e2e* ]]; then
-  python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
+  timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out "$OUT/e2e" 2>&1 | tee "$OUT/e2e.log" | tail -30
+    --out /tmp/e2e ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
+  pack e2e
+fi
+if [[ $STAGES == *synth* ]]; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes
-  python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
+  timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
     --load-format dummy --dataset random --sweep "$SWEEP" --temperatures 0 \
     --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
-    --out "$OUT/e2e_synthetic" 2>&1 | tee "$OUT/e2e_synthetic.log" | tail -30
+    --out /tmp/synth ${E2E_ARGS:-} 2>&1 | tee "$OUT/synth.log" | tail -30
+  pack synth
 fi
 if [[ $STAGES == *bench* ]]; then
   python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16

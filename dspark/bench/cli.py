@@ -70,6 +70,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--output-len", type=int, default=None,
       help="max_tokens for prompts/humaneval entries that do not set it (default 256)")
     a("--num-prompts", type=int, default=200, help="measured requests per level (default 200)")
+    a("--prompts-per-concurrency", type=float, default=0.0, metavar="F",
+      help="a level of concurrency C measures max(--num-prompts, ceil(F*C)) requests, so low "
+           "levels stay short and high levels still fill their slots (default 0: off)")
     conc = p.add_mutually_exclusive_group()
     conc.add_argument("--max-concurrency", type=int, default=None)
     conc.add_argument("--sweep", type=_int_list, default=None, metavar="1,4,16,...",
@@ -204,9 +207,10 @@ def _finite(obj):
 
 def build_result_doc(args: argparse.Namespace, model: str | None, levels: list,
                      results: list[dict]) -> dict:
-    keys = ("base_url", "endpoint", "dataset", "dataset_path", "num_prompts", "random_input_len",
-            "random_output_len", "random_prompt_type", "tokenizer", "output_len", "request_rate",
-            "ignore_eos", "temperature", "seed", "warmup", "percentiles", "label", "extra_body")
+    keys = ("base_url", "endpoint", "dataset", "dataset_path", "num_prompts",
+            "prompts_per_concurrency", "random_input_len", "random_output_len",
+            "random_prompt_type", "tokenizer", "output_len", "request_rate", "ignore_eos",
+            "temperature", "seed", "warmup", "percentiles", "label", "extra_body")
     config = {k: getattr(args, k, None) for k in keys}
     config.update(model=model, max_concurrency=levels)
     return _finite({"schema_version": SCHEMA_VERSION, "tool": "dspark bench serve",
@@ -228,29 +232,36 @@ def _load_samples(args: argparse.Namespace, levels: list) -> tuple[list, list]:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    n = args.num_prompts
+    counts = [level_num_prompts(args, c) for c in levels]
     if args.dataset == "random":
         rnd = dict(input_len=args.random_input_len, output_len=args.random_output_len,
                    prompt_type=args.random_prompt_type,
                    token_id_range=tuple(args.random_token_id_range), tokenizer=tokenizer)
-        pool = random_dataset(n * len(levels), seed=args.seed, **rnd)
-        per_level = [pool[i * n:(i + 1) * n] for i in range(len(levels))]
+        pool = random_dataset(sum(counts), seed=args.seed, **rnd)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        per_level = [pool[s:s + n] for s, n in zip(starts, counts)]
         warmup = random_dataset(args.warmup, seed=args.seed + 1_000_003, **rnd)
         return per_level, warmup
-    samples = load_dataset(args.dataset, n, path=args.dataset_path,
+    samples = load_dataset(args.dataset, max(counts), path=args.dataset_path,
                            default_max_tokens=args.output_len, seed=args.seed)
     if len(levels) > 1:
         print("note: every level reuses the same prompts; prefix caching may favour later "
               "levels", file=sys.stderr)
-    return [samples] * len(levels), take(samples, args.warmup)
+    return [samples[:n] for n in counts], take(samples, args.warmup)
+
+
+def level_num_prompts(args: argparse.Namespace, concurrency: int | None) -> int:
+    """Measured requests at one level: --num-prompts, raised to F x concurrency if asked."""
+    scaled = math.ceil(args.prompts_per_concurrency * concurrency) if concurrency else 0
+    return max(args.num_prompts, scaled)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from dspark.bench.serve import BenchConfig, run_sweep
 
     problem = None
-    if args.num_prompts < 1 or args.warmup < 0:
-        problem = "--num-prompts must be >= 1 and --warmup >= 0"
+    if args.num_prompts < 1 or args.warmup < 0 or not args.prompts_per_concurrency >= 0:
+        problem = "--num-prompts must be >= 1, --warmup and --prompts-per-concurrency >= 0"
     elif len(args.random_token_id_range) != 2:
         problem = "--random-token-id-range takes two integers LO,HI"
     elif args.random_prompt_type == "token-ids" and args.endpoint != "/v1/completions":
@@ -264,7 +275,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.sweep and args.num_prompts < max(args.sweep):
+    if args.sweep and level_num_prompts(args, max(args.sweep)) < max(args.sweep):
         print(f"warning: --num-prompts {args.num_prompts} < max concurrency {max(args.sweep)}: "
               "the top levels cannot fill their slots", file=sys.stderr)
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or os.environ.get("OPENAI_API_KEY")

@@ -393,6 +393,24 @@ def test_sweep_end_to_end(fake_server, tmp_path, capsys):
     assert png.stat().st_size > 10_000 and _png_size(png)[0] > 800
 
 
+def test_prompts_scale_with_concurrency(fake_server, tmp_path, capsys):
+    """--prompts-per-concurrency 2 --num-prompts 3 over levels 1,4: 3 then 8 measured
+    requests, all distinct prompts."""
+    srv = fake_server()
+    result = tmp_path / "scaled.json"
+    rc, cap = _run(capsys, "--base-url", srv.url, "--sweep", "1,4", "--num-prompts", 3,
+                   "--prompts-per-concurrency", 2, "--random-input-len", 8,
+                   "--random-output-len", 4, "--ignore-eos", "--save-result", result)
+    assert rc == 0, cap.err
+    doc = json.loads(result.read_text())
+    assert [r["completed"] for r in doc["results"]] == [3, 8]
+    assert doc["config"]["prompts_per_concurrency"] == 2
+    assert len(srv.bodies) == 11 and len({b["prompt"] for b in srv.bodies}) == 11
+    rc, cap = _run(capsys, "--base-url", srv.url, "--num-prompts", 3,
+                   "--prompts-per-concurrency", -1)
+    assert rc == 2 and "--prompts-per-concurrency" in cap.err
+
+
 @pytest.mark.parametrize("mode, error", [
     ("503", 'HTTP 503: {"error": {"message": "queue full"}}'),
     ("sse", 'stream error: {"message": "engine died"}'),
