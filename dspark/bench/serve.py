@@ -99,7 +99,7 @@ def _chunk_has_text(obj: dict, chat: bool) -> bool:
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
                 return True
-        elif choice.get("text"):
+        elif choice.get("text") or choice.get("token_ids"):  # token ids: tokenizer-less server
             return True
     return False
 

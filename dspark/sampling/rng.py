@@ -15,6 +15,8 @@ are split into 16-bit halves so that no intermediate exceeds 2**49 (no signed ov
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -56,14 +58,45 @@ def hash_keys(*keys: torch.Tensor | int) -> torch.Tensor:
     return h
 
 
+# DSPARK_FUSED_OPS=0 keeps the torch code on CUDA too. Tests set ON_CPU to run the Triton
+# kernel through the interpreter on CPU tensors.
+_TRITON = os.environ.get("DSPARK_FUSED_OPS", "1").lower() not in ("0", "false", "off", "no")
+ON_CPU = False
+_kernel = None
+
+
+def _fused(t: torch.Tensor):
+    """`rng_triton` if its one-kernel uniform should take tensors on t's device, else None."""
+    global _kernel
+    if not (_TRITON and (t.is_cuda or ON_CPU)):
+        return None
+    if _kernel is None:
+        try:
+            from dspark.sampling import rng_triton as _kernel
+        except ImportError:  # pragma: no cover - no triton on this platform
+            _kernel = False
+    return _kernel or None
+
+
 def uniform(
     seed: torch.Tensor, position: torch.Tensor, round_: torch.Tensor | int, purpose: int
 ) -> torch.Tensor:
     """Uniforms in the open interval (0, 1) as float64, one per broadcast element.
 
     48 bits of resolution (two 24-bit halves), enough for inverse-CDF sampling over large
-    vocabularies. All inputs are int64 tensors (or ints) on the same device.
+    vocabularies. All inputs are int64 tensors (or ints) on the same device. On CUDA one
+    Triton kernel computes exactly these bits (`rng_triton`).
     """
+    kernel = _fused(position if isinstance(position, torch.Tensor) else seed)
+    if kernel is not None:
+        return kernel.uniform(seed, position, round_, purpose)
+    return uniform_torch(seed, position, round_, purpose)
+
+
+def uniform_torch(
+    seed: torch.Tensor, position: torch.Tensor, round_: torch.Tensor | int, purpose: int
+) -> torch.Tensor:
+    """The reference (and CPU) code of `uniform`."""
     h1 = hash_keys(seed, position, round_, purpose)
     h2 = _mix32(h1 ^ 0x5BD1E995)
     hi = (h1 >> 8).to(torch.float64)

@@ -185,9 +185,13 @@ class _Server:
         Chunk = P.ChatCompletionChunk if chat else P.CompletionChunk
         opts = req.stream_options or P.StreamOptions()
         fast_delta = delta_renderer(chat, rid, created, self.model)
+        # without a tokenizer there is no text: completion chunks carry the new token ids
+        tokenless = self.engine.tokenizer is None and not chat
+        num_sent = 0
 
-        def chunk(text: str | None, finish: RequestOutput | None, role=None):
-            if finish is None and role is None and not opts.continuous_usage_stats:
+        def chunk(text: str | None, finish: RequestOutput | None, role=None, ids=None):
+            plain = finish is None and role is None and ids is None
+            if plain and not opts.continuous_usage_stats:
                 return fast_delta(text)  # the hot path: same JSON, no pydantic
             comp = finish.outputs[0] if finish is not None else None
             reason = comp.finish_reason if comp else None
@@ -199,16 +203,25 @@ class _Server:
                                             stop_reason=comp.stop_reason if comp else None)
             usage = P.usage_of(out) if opts.continuous_usage_stats else None
             spec = finish.spec_decode if finish is not None else None
-            return P.sse(Chunk(id=rid, created=created, model=self.model, choices=[choice],
-                               usage=usage, spec_decode=spec))  # fmt: skip
+            body = Chunk(id=rid, created=created, model=self.model, choices=[choice],
+                         usage=usage, spec_decode=spec)  # fmt: skip
+            if ids is None:
+                return P.sse(body)
+            body = body.model_dump(mode="json")
+            body["choices"][0]["token_ids"] = ids
+            return P.sse(body)
 
         try:
             if chat:
                 yield chunk("", None, role="assistant")
             while True:
                 text = delta_of(out)
-                if text or out.finished:
-                    yield chunk(text, out if out.finished else None)
+                ids = None
+                if tokenless:
+                    ids = list(out.outputs[0].token_ids[num_sent:])
+                    num_sent += len(ids)
+                if text or ids or out.finished:
+                    yield chunk(text, out if out.finished else None, ids=ids)
                 if out.finished:
                     break
                 out = await stream.get()

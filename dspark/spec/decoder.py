@@ -166,14 +166,16 @@ class SpecDecoder:
             self.plan_ms += (time.perf_counter() - t0) * 1e3
 
     def _plan(self, rows) -> int:
-        caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
-        other = sum(r.num_non_draft_tokens for r in rows) - len(rows)
-        n_sampling = sum(1 for r in rows if r.samples)
+        # one pass over the rows: (draft slots, new tokens, samples, request slot)
+        cols = np.array([(r.num_draft_slots, r.num_new_tokens, r.samples, r.req.slot)
+                         for r in rows], dtype=np.int64).reshape(-1, 4)  # fmt: skip
+        caps = cols[:, 0]
+        other = int(cols[:, 1].sum() - caps.sum()) - len(rows)
+        n_sampling = int(np.count_nonzero(cols[:, 2]))
         budget = 0
         if caps.any():
             self._refresh_host_conf()
-            slots = np.array([r.req.slot for r in rows], dtype=np.int64)
-            stale = self.host_conf.numpy()[slots]
+            stale = self.host_conf.numpy()[cols[:, 3]]
             has = caps > 0
             survival = np.cumprod(np.nan_to_num(stale[has], nan=1.0), axis=1).mean(axis=0)
             a = 0.2 if self._survival is not None else 1.0
@@ -222,10 +224,14 @@ class SpecDecoder:
         if inp.max_capacity == 0 or self._policy == "fixed":
             finalize(inp, None, None, None)
             return
+        num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
         timer = Timer(self.device)
+        if budget is not None and budget >= num_drafts:  # the plan trims nothing: verify all
+            finalize(inp, None, None, None)
+            self._alloc_events.append(timer.stop())
+            return
         conf = self.conf[inp.slots]
         caps = inp.capacities * inp.samples.long()
-        num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
         other = inp.num_tokens - num_drafts - inp.num_reqs  # non-draft tokens beyond one per row
         lengths = self.planner.allocate_device(
             conf, caps, budget=budget, num_other_tokens=other, num_sampling_reqs=inp.num_samples
