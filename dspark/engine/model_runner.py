@@ -13,6 +13,7 @@ nothing of that exists: no process group, no extra work.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import weakref
@@ -93,6 +94,7 @@ class ModelRunner:
     ):  # fmt: skip
         self.world = world
         self._finalizer = None
+        self.released = False
         if world is None and config.tensor_parallel_size > 1:
             from dspark.engine.distributed import launch
 
@@ -326,6 +328,23 @@ class ModelRunner:
         """Stop the tensor-parallel workers (rank 0; idempotent, also run at exit)."""
         if self._finalizer is not None:
             self._finalizer()
+
+    def release_memory(self) -> None:
+        """Drop the weights, KV caches and CUDA graphs (their memory pools) and return the
+        memory to the device, so that another engine can start in this process. The runner
+        cannot run steps afterwards (`released`)."""
+        self.shutdown()
+        self.released = True
+        self.graphs = None
+        if self.spec is not None:
+            self.spec.draft_graphs = None
+            self.spec.kv_caches = []
+        self.spec = self.model = None
+        self.k_cache = self.v_cache = None
+        self.kv_caches = []
+        gc.collect()  # graphs and modules sit in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @staticmethod
     def _unpack(host: np.ndarray, inp: StepInputs, width: int, rows) -> StepResult:

@@ -32,3 +32,13 @@ def test_profile_example_smoke(tmp_path):
     _smoke("profile_example.py", tmp_path)
     table = json.loads((tmp_path / "cost_table_smoke.json").read_text())
     assert table["provenance"]["dtype"] == "bfloat16" and table["verify"]["ms"]
+
+
+def test_profile_step_smoke(tmp_path):
+    proc = _smoke("profile_step.py", tmp_path)
+    report = (tmp_path / "profile_step.txt").read_text()
+    assert report.count("### ") == 4 and "fixed T=1" in report  # 2 arms x 2 temperatures
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.startswith(("nospec ", "fixed "))]
+    assert len(rows) == 8 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
+    assert all(r[6] != "-" for r in rows if r[0] == "fixed")  # acceptance reported

@@ -1,0 +1,122 @@
+"""Where a decoding step's time goes: ms per step and output tokens/s for no speculation and
+fixed-K speculation at temperatures 0 and 1 (plus sampling with the torch RNG instead of the
+Triton kernel), then a torch.profiler table of a few steps per arm (kernel launches per step,
+top ops by CPU and by CUDA time). Default pair: the bundled demo target + drafter.
+
+    python3 scripts/profile_step.py --out $OUT            # GPU
+    python3 scripts/profile_step.py --smoke               # CPU, tiny sizes (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.sampling import rng  # noqa: E402
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
+
+
+def prompts(n: int, length: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, 5000, (n, length), generator=g)
+    return [{"prompt_token_ids": row.tolist()} for row in ids]
+
+
+def measure(llm: LLM, conc: int, args, temp: float) -> dict:
+    params = SamplingParams(temperature=temp, max_tokens=args.tokens, ignore_eos=True, seed=7)
+    llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
+    stats = llm.engine.stats
+    s0, t0 = stats["steps"], stats["step_time_ms"]
+    start = time.perf_counter()
+    outs = llm.generate(prompts(conc, args.prompt_len, 2), params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    steps = stats["steps"] - s0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    acc = [o.spec_decode["mean_acceptance_length"] for o in outs if o.spec_decode]
+    return {"steps": steps, "ms_per_step": (stats["step_time_ms"] - t0) / max(steps, 1),
+            "tok_s": toks / wall, "acc": sum(acc) / len(acc) if acc else None}  # fmt: skip
+
+
+def profile(llm: LLM, args, temp: float, label: str) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    params = SamplingParams(temperature=temp, max_tokens=args.profile_tokens, ignore_eos=True,
+                            seed=7)  # fmt: skip
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    s0 = llm.engine.stats["steps"]
+    with tprofile(activities=acts) as prof:
+        llm.generate(prompts(1, args.prompt_len, 3), params, use_tqdm=False)
+    steps = max(llm.engine.stats["steps"] - s0, 1)
+    ka = prof.key_averages()
+    launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                     "cudaGraphLaunch", "cuLaunchKernelEx"))
+    text = [f"### {label}: {steps} steps, {launches / steps:.0f} kernel/graph launches per step"]
+    text.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if torch.cuda.is_available():
+        text.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows))
+    return "\n".join(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
+    ap.add_argument("--drafter", default=os.path.join(ASSETS, "drafter"))
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--profile-tokens", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--arms", default="nospec,fixed", help="from nospec,fixed,adaptive")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    args = ap.parse_args()
+    kw = dict(max_model_len=1024, max_num_seqs=max(int(c) for c in args.concurrency.split(",")),
+              max_num_batched_tokens=4096, load_format=args.load_format)
+    if args.smoke:
+        args.concurrency, args.tokens, args.profile_tokens, args.rows = "1,2", 8, 4, 5
+        kw.update(device="cpu", max_num_seqs=4)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    base = {"model": args.drafter, "num_speculative_tokens": args.k}
+    arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
+            "adaptive": dict(base, enable_adaptive_verification=True)}  # fmt: skip
+    temps = [float(t) for t in args.temperatures.split(",")]
+    rows, reports = [], []
+    for arm in args.arms.split(","):
+        spec = arms[arm]
+        with LLM(args.target, speculative_config=spec, **kw) as llm:
+            for temp in temps:
+                for c in levels:
+                    kind = "triton" if rng._TRITON and torch.cuda.is_available() else "torch"
+                    rows.append((arm, temp, kind, c, measure(llm, c, args, temp)))
+                reports.append(profile(llm, args, temp, f"{arm} T={temp:g}"))
+            if torch.cuda.is_available() and 1.0 in temps:  # A/B: RNG as ~300 torch kernels
+                rng._TRITON = False
+                rows.append((arm, 1.0, "torch", levels[0], measure(llm, levels[0], args, 1.0)))
+                rng._TRITON = True
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile_step.txt"), "w") as f:
+        f.write("\n\n".join(reports))
+    print("\n\n".join(r.split("\n")[0] for r in reports))
+    print(f"\n{'arm':<8} {'T':>3} {'rng':>6} {'conc':>5} {'ms/step':>8} {'tok/s':>9} {'acc':>5}")
+    for arm, temp, kind, c, m in rows:
+        acc = "-" if m["acc"] is None else f"{m['acc']:.2f}"
+        print(f"{arm:<8} {temp:>3g} {kind:>6} {c:>5} {m['ms_per_step']:>8.2f} "
+              f"{m['tok_s']:>9.1f} {acc:>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
