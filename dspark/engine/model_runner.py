@@ -32,7 +32,7 @@ from dspark.layers.rotary import rope_inv_freq
 from dspark.models.config import ModelConfig
 from dspark.models.loader import load_weights
 from dspark.models.registry import resolve_model_class
-from dspark.sampling.sampler import sample_tokens
+from dspark.sampling.sampler import sample_step
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class ModelRunner:
             if self.world is not None:
                 out, num_out = self.world.agree_tokens(out, num_out)
         else:
-            out, num_out = self._sample(logits, inp)
+            out, num_out = sample_step(logits, inp)
         host_out, done = None, None
         if self.tp.rank == 0:
             packed = torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
@@ -298,19 +298,6 @@ class ModelRunner:
                 return self.graphs.run_raw(input_ids, md, num_tokens, t)
         with forward_context(ForwardContext(md, self.backend, self.kv_caches)):
             return self.model(input_ids, md.positions, self.aux_layer_ids)
-
-    def _sample(self, logits: torch.Tensor, inp: StepInputs):
-        n = inp.num_logits
-        row = torch.searchsorted(inp.cu_num_logits, torch.arange(n, device=self.device), right=True)
-        row = (row - 1).clamp(max=inp.num_reqs - 1)
-        next_pos = inp.anchor_pos[row] + 1
-        tokens = sample_tokens(
-            logits, row, next_pos, inp.temperature, inp.top_k, inp.top_p, inp.min_p,
-            inp.seeds, inp.rounds, inp.all_greedy,
-        )  # fmt: skip
-        out = torch.full((inp.num_reqs, 1), -1, dtype=torch.int64, device=self.device)
-        out[row, 0] = tokens
-        return out, inp.samples.long()
 
     # -- tensor parallel ---------------------------------------------------------------------
     def profile_cost(self, max_tokens=None, context_len=256, repeats=5, warmup=2):

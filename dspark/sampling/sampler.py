@@ -31,3 +31,21 @@ def sample_tokens(
     )
     u = rng.uniform(seeds[row], next_pos, rounds[row], rng.SAMPLE)
     return sample_from_probs(probs, u)
+
+
+def sample_step(logits: torch.Tensor, inp) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain sampling of a step without drafts (`inp`: a finalized StepInputs): one token per
+    sampling row, keyed like the final token of a verification with no drafts, so the result
+    equals `verify` on zero-length drafts. Returns (tokens [R, 1] with -1 for rows that do not
+    sample, num_emitted [R])."""
+    device = logits.device
+    n = inp.num_logits
+    row = torch.searchsorted(inp.cu_num_logits, torch.arange(n, device=device), right=True)
+    row = (row - 1).clamp(max=inp.num_reqs - 1)
+    tokens = sample_tokens(
+        logits, row, inp.anchor_pos[row] + 1, inp.temperature, inp.top_k, inp.top_p, inp.min_p,
+        inp.seeds, inp.rounds, inp.all_greedy,
+    )  # fmt: skip
+    out = torch.full((inp.num_reqs, 1), -1, dtype=torch.int64, device=device)
+    out[row, 0] = tokens
+    return out, inp.samples.long()

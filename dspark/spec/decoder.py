@@ -19,6 +19,7 @@ from dspark.config import EngineConfig
 from dspark.engine.input_batch import StepInputs, finalize
 from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
+from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import (
     OnlineAcceptanceEstimator,
     apply_sts,
@@ -109,6 +110,7 @@ class SpecDecoder:
         self.plan_ms = 0.0
         self._alloc_events: list[tuple] = []
         self._alloc_ms = 0.0
+        self._no_drafts = False
 
     # -- memory ---------------------------------------------------------------------------
     def cache_bytes_per_block(self, block_size: int) -> int:
@@ -221,6 +223,8 @@ class SpecDecoder:
 
     # -- allocate (device, live confidences) ----------------------------------------------------
     def choose_lengths(self, inp: StepInputs, budget: int | None) -> None:
+        # host-known: no row verifies a draft this step
+        self._no_drafts = inp.max_capacity == 0 or budget == 0
         if inp.max_capacity == 0 or self._policy == "fixed":
             finalize(inp, None, None, None)
             return
@@ -249,6 +253,12 @@ class SpecDecoder:
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
         slots = inp.slots
+        if self._no_drafts and self.synthetic_rates is None:
+            # nothing to verify (drafting skipped, or a zero budget): plain sampling draws the
+            # same token as verification of zero drafts, with a fraction of its kernels
+            out, num_out = sample_step(logits, inp)
+            self._after_verify(inp, out, num_out)
+            return out, num_out
         if self.synthetic_rates is not None:
             out, num_out = verify_synthetic(
                 logits, inp.cu_num_logits, self.draft_tokens[slots], self.synthetic_rates,

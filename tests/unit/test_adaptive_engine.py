@@ -92,6 +92,28 @@ def test_zero_budget_discards_every_draft(tiny_qwen, drafter, reference, tmp_pat
     assert st.num_accepted_tokens == 0
 
 
+@pytest.mark.parametrize("policy", ["lagged", "early_stop"])
+def test_zero_budget_sampling_equals_plain_sampling(tiny_qwen, drafter, tmp_path, policy):
+    """At temperature > 0 a step that verifies no draft draws its token with the key of plain
+    sampling: with a zero budget every step (lagged: the host knows it and samples directly;
+    early_stop: verification of zero-length drafts) the seeded output is token for token the
+    output without speculation."""
+    path = _table(tmp_path, "linear", weight_read_ms=0.0, ms_per_token=1.0,
+                  fixed_overhead_ms=0.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=MAX_NEW, ignore_eos=True,
+                             seed=100 + i) for i in range(len(PROMPTS))]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    want = run(LLM(tiny_qwen, device="cpu"))
+    llm = _llm(tiny_qwen, drafter, policy, path, budget_tokens=512, draft_skipping=False)
+    assert run(llm) == want
+    st = llm.engine.spec_stats
+    assert st.num_drafted_tokens > 0 and st.num_verified_tokens == 0
+
+
 def test_recorded_trace_replays_through_the_simulator(tiny_qwen, drafter, reference, tmp_path):
     llm = _llm(tiny_qwen, drafter, "fixed", None)
     llm.engine.runner.spec.start_trace()
