@@ -192,7 +192,9 @@ def print_table(args, temps, results, checks, label) -> None:
                 sd = r.get("spec_decode") or {}
                 acc = sd.get("mean_acceptance_length")
                 tput.append(r["output_throughput"])
-                cells.append(f"{r['output_throughput']:9.1f} ({r['tpot_ms']['p50']:6.2f} | "
+                tpot = r["tpot_ms"]["p50"]  # None: the server streamed no per-token output
+                tpot = "-" if tpot is None else f"{tpot:.2f}"
+                cells.append(f"{r['output_throughput']:9.1f} ({tpot:>6} | "
                              f"{acc if acc is None else round(acc, 2)!s:>4})")  # fmt: skip
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)

@@ -47,13 +47,14 @@ def plot_arms(arms: list[tuple[str, list[dict]]], out_path: str | Path,
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     xs_all = set()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (ylabel, get) in zip(axes[0], panels, strict=True):
-        for label, results in arms:
+        for i, (label, results) in enumerate(arms):  # one colour per arm in every panel
             points = sorted((_x(r), get(r)) for r in results if get(r) is not None and _x(r) > 0)
             if points:
                 xs, ys = zip(*points, strict=True)
                 xs_all.update(xs)
-                ax.plot(xs, ys, marker="o", label=label)
+                ax.plot(xs, ys, marker="o", label=label, color=cycle[i % len(cycle)])
         ax.set_xlabel("max concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

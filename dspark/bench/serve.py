@@ -75,6 +75,7 @@ class RequestOutput:
     latency: float = 0.0  # s, request sent -> end of stream
     itl: list[float] = field(default_factory=list)  # s, gaps between text chunks
     spec_decode: dict | None = None
+    streamed: bool = True  # False: all output arrived at the end (no per-token timing)
 
 
 def build_body(cfg: BenchConfig, sample: SampleRequest, seed: int) -> dict:
@@ -167,6 +168,7 @@ async def send_request(
             out.error = "stream ended without generated text"
             return out
         out.ttft = out.latency  # tokens reported but no text seen: first output at the end
+        out.streamed = False
     out.success = True
     return out
 
@@ -187,7 +189,7 @@ def summarize(values_s: list[float], percentiles: tuple[float, ...]) -> dict:
 
 
 def request_tpot(o: RequestOutput) -> float | None:
-    if o.output_tokens <= 1:
+    if o.output_tokens <= 1 or not o.streamed:  # unknown, not 0
         return None
     return (o.latency - o.ttft) / (o.output_tokens - 1)
 

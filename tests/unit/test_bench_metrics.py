@@ -83,6 +83,11 @@ def test_compute_metrics_known_answers():
     assert m["itl_ms"]["mean"] == pytest.approx((10 * 100 + 4 * 500) / 14)
     assert m["itl_ms"]["median"] == pytest.approx(100.0)
     assert m["input_tokens_known"] is True
+    # output that arrived in one piece at the end has no TPOT (unknown, not 0)
+    whole = _out(2.0, 2.0, 9, prompt=5)
+    whole.streamed = False
+    m = compute_metrics([whole], duration_s=2.0, percentiles=(50.0,))
+    assert m["tpot_ms"]["p50"] is None and m["output_throughput"] == pytest.approx(4.5)
 
 
 def test_spec_summary_acceptance_length():
