@@ -40,7 +40,8 @@ def plot_arms(arms: list[tuple[str, list[dict]]], out_path: str | Path,
 
     panels = [
         ("output tok/s", lambda r: r.get("output_throughput")),
-        ("TPOT p50 (ms)", lambda r: (r.get("tpot_ms") or {}).get("median")),
+        # a TPOT of 0 is "not measured" (older results of unstreamed output), never a time
+        ("TPOT p50 (ms)", lambda r: (r.get("tpot_ms") or {}).get("median") or None),
     ]
     if any(acc_len(r) is not None for _, results in arms for r in results):
         panels.append(("mean acceptance length", acc_len))
