@@ -317,20 +317,26 @@ class SpecDecoder:
         last = (num_out - 1).clamp(min=0)
         anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
         anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
+        # Every row greedy: probabilistic drafts would be one-hot at the argmax anyway and
+        # greedy verification never reads them, so draft greedily (no sampling, no [R,K,V]
+        # distributions). A row's temperature is fixed for life, so a request whose drafts
+        # skip the distributions here is never verified by sampling later.
+        method = "greedy" if inp.all_greedy else self.sc.draft_sample_method
         draft = None
         if self.draft_graphs is not None:
             draft = self.draft_graphs.run(
-                anchors, anchor_pos, inp.block_tables, inp.temperature, inp.seeds, inp.rounds + 1
-            )
+                anchors, anchor_pos, inp.block_tables, inp.temperature, inp.seeds, inp.rounds + 1,
+                method,
+            )  # fmt: skip
         if draft is None:
             draft = d.propose(
                 anchors, anchor_pos, inp.block_tables, inp.max_seq_len + self.k + 1,
                 self.kv_caches, self.backend, self.k, inp.temperature, inp.seeds,
-                inp.rounds + 1, self.sc.draft_sample_method,
+                inp.rounds + 1, method,
             )  # fmt: skip
         slots = inp.slots
         self.draft_tokens[slots] = draft.token_ids
-        if self.draft_probs is not None:
+        if self.draft_probs is not None and draft.probs is not None:
             self.draft_probs[slots] = draft.probs
         if self.synthetic_rates is not None:
             # the scheduler sees the true conditional acceptance probabilities

@@ -36,15 +36,17 @@ class DraftGraphRunner:
         self.temperature = torch.ones(r, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(r, dtype=torch.int64, device=dev)
         self.rounds = torch.zeros(r, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, DraftOutput] = {}
+        # one graph per (bucket, sampling method): batches of greedy rows only draft greedily
+        self.methods = sorted({spec.sc.draft_sample_method, "greedy"})
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], DraftOutput] = {}
 
-    def _propose(self, r: int) -> DraftOutput:
+    def _propose(self, r: int, method: str) -> DraftOutput:
         s = self.spec
         return s.drafter.propose(
             self.anchors[:r], self.anchor_pos[:r], self.block_tables[:r], self.max_ctx_len,
             s.kv_caches, s.backend, s.k, self.temperature[:r], self.seeds[:r], self.rounds[:r],
-            s.sc.draft_sample_method,
+            method,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -57,19 +59,20 @@ class DraftGraphRunner:
     def _capture_all(self) -> None:
         pool = None
         for r in reversed(self.buckets):
-            for _ in range(2):
-                self._propose(r)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._propose(r)
-            pool = pool or g.pool()
-            self.graphs[r], self.outputs[r] = g, out
+            for method in self.methods:
+                for _ in range(2):
+                    self._propose(r, method)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._propose(r, method)
+                pool = pool or g.pool()
+                self.graphs[r, method], self.outputs[r, method] = g, out
         torch.cuda.synchronize()
-        logger.info("captured %d drafter CUDA graphs for %s requests", len(self.graphs),
-                    self.buckets)  # fmt: skip
+        logger.info("captured %d drafter CUDA graphs for %s requests x %s drafts",
+                    len(self.graphs), self.buckets, self.methods)  # fmt: skip
 
-    def run(self, anchors, anchor_pos, block_tables, temperature, seeds, rounds):
+    def run(self, anchors, anchor_pos, block_tables, temperature, seeds, rounds, method: str):
         n = anchors.shape[0]
         r = next((b for b in self.buckets if b >= n), None)
         if r is None:
@@ -86,8 +89,8 @@ class DraftGraphRunner:
         self.temperature[n:r].fill_(1.0)
         self.seeds[:n].copy_(seeds)
         self.rounds[:n].copy_(rounds)
-        self.graphs[r].replay()
-        o = self.outputs[r]
+        self.graphs[r, method].replay()
+        o = self.outputs[r, method]
         return DraftOutput(
             o.token_ids[:n],
             None if o.probs is None else o.probs[:n],

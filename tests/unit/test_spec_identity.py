@@ -127,3 +127,34 @@ def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter)
     llm.generate([{"prompt_token_ids": list(range(1, 31))}], params)
     assert max(widest) > -(-40 // 4) + 1  # past the old max_model_len-only sizing
     assert max(widest) <= runner.max_blocks_per_seq
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_all_greedy_steps_draft_greedily(tiny_qwen, reference, drafter, method):
+    """With probabilistic drafting configured, a step whose rows are all greedy drafts
+    greedily (no draft distributions); a step with a sampled row drafts probabilistically.
+    Greedy requests stay identical to plain decoding when sampled requests join later and are
+    verified in the same batches (their skipped distributions are never read)."""
+    spec = {"model": drafter("vanilla"), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic", "rejection_sample_method": method}
+    llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4,
+              max_num_batched_tokens=24, num_kv_blocks=60)  # fmt: skip
+    d = llm.engine.runner.spec.drafter
+    seen, propose = [], d.propose
+    d.propose = lambda *a, **k: seen.append(a[-1]) or propose(*a, **k)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
+    engine = llm.engine
+    engine.add_request("g", {"prompt_token_ids": PROMPTS[1]}, greedy)
+    outs = {}
+    for step in range(40):
+        if step == 4:  # after some greedy-only drafting rounds a sampled request joins
+            engine.add_request("s", {"prompt_token_ids": PROMPTS[2]}, sampled)
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert outs["g"] == reference[1][1] and len(outs["s"]) == MAX_NEW
+    assert "greedy" in seen and "probabilistic" in seen
+    assert seen[:2] == ["greedy", "greedy"]  # only the greedy request was running
