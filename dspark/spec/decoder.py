@@ -229,11 +229,12 @@ class SpecDecoder:
             finalize(inp, None, None, None)
             return
         num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
-        timer = Timer(self.device)
-        if budget is not None and budget >= num_drafts:  # the plan trims nothing: verify all
+        if budget is not None and budget >= num_drafts:
+            # the plan trims nothing: verify all, the work of the fixed policy (not counted
+            # as allocation overhead)
             finalize(inp, None, None, None)
-            self._alloc_events.append(timer.stop())
             return
+        timer = Timer(self.device)
         conf = self.conf[inp.slots]
         caps = inp.capacities * inp.samples.long()
         other = inp.num_tokens - num_drafts - inp.num_reqs  # non-draft tokens beyond one per row
