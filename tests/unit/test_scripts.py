@@ -3,8 +3,11 @@ GPU sessions); its numbers are meaningless on a CPU and are not checked beyond s
 
 import json
 import os
+import socket
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -42,3 +45,54 @@ def test_profile_step_smoke(tmp_path):
             if line.startswith(("nospec ", "fixed "))]
     assert len(rows) == 8 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
     assert all(r[6] != "-" for r in rows if r[0] == "fixed")  # acceptance reported
+
+
+def _free_port_block(n: int) -> int:
+    """A base port whose next n ports were free a moment ago (the script binds base + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = [socket.socket() for _ in range(n)]
+            for i, sk in enumerate(socks):
+                sk.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError("no free block of ports")
+
+
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
+    """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps, offline checks), so
+    the script that spends GPU time cannot break unnoticed."""
+    demo = "dspark/assets/demo"
+    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
+           "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
+           "--output-len", "6", "--sweep", "1,2", "--num-prompts", "2",
+           "--prompts-per-concurrency", "1", "--warmup", "1", "--identity-prompts", "2",
+           "--identity-tokens", "6", "--max-num-seqs", "4", "--max-model-len", "128",
+           "--max-num-batched-tokens", "256", "--device", "cpu", "--out", str(tmp_path),
+           "--port", str(_free_port_block(3))]  # fmt: skip
+    if synthetic:
+        cmd += ["--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3", "--temperatures", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "bench_e2e.json").read_text())
+    temps = ["0"] if synthetic else ["0", "1"]
+    assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
+                                                                      "adaptive7") for t in temps)
+    for levels in summary["results"].values():
+        assert [lv["max_concurrency"] for lv in levels] == [1, 2]
+        assert all(lv["completed"] == 2 and lv["output_throughput"] > 0 for lv in levels)
+    checks = summary["checks"]
+    assert checks["identical_at_t0"] is (None if synthetic else True)
+    assert checks["overhead"]["step_ms"] > 0
+    assert ("SYNTHETIC" in proc.stdout) == synthetic
+    assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
