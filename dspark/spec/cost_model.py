@@ -78,6 +78,10 @@ class CostModel:
     fixed_overhead_ms: float = 0.0
     graph_sizes: tuple[int, ...] | None = None  # captured token buckets (sorted)
     provenance: dict[str, Any] = field(default_factory=dict)
+    # host lookup tables of the per-step planner (dense over integer token counts)
+    _verify_dense: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
+                                      repr=False, compare=False)  # fmt: skip
+    _draft_by_reqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.verify_tokens, self.verify_ms = _monotone_table(
@@ -172,9 +176,31 @@ class CostModel:
 
     def step_time_ms(self, num_tokens, num_reqs) -> np.ndarray:
         """Vectorized over numpy arrays (broadcast); returns float64 ms, always > 0."""
-        t = self.fixed_overhead_ms + self.draft_cost_ms(num_reqs) + self.verify_cost_ms(
-            num_tokens)
+        t = self.fixed_overhead_ms + (self.draft_cost_ms(num_reqs) + self.verify_cost_ms(
+            num_tokens))  # fmt: skip
         return np.maximum(t, _MIN_STEP_MS)
+
+    def step_time_lookup(self, num_tokens: np.ndarray, num_reqs: int) -> np.ndarray:
+        """`step_time_ms` for integer token counts and one request count, bit for bit, from
+        dense tables built once (the planner calls this every step; interpolating each time
+        costs tens of microseconds). The fixed term is added at lookup: it is corrected
+        online."""
+        n = np.asarray(num_tokens, dtype=np.int64)
+        need = int(n.max()) + 1 if n.size else 1
+        if self._verify_dense.size < need:
+            size = max(1024, 1 << (need - 1).bit_length())
+            self._verify_dense = self.verify_cost_ms(np.arange(size))
+        draft = self._draft_by_reqs.get(num_reqs)
+        if draft is None:
+            if len(self._draft_by_reqs) > 1024:
+                self._draft_by_reqs.clear()
+            draft = self._draft_by_reqs[num_reqs] = self.draft_cost_ms(num_reqs)
+        return np.maximum(self.fixed_overhead_ms + (draft + self._verify_dense[n]), _MIN_STEP_MS)
+
+    def verify_lookup(self, num_tokens: int) -> float:
+        """`verify_cost_ms` of one integer token count, from the same dense table."""
+        self.step_time_lookup(np.asarray([num_tokens]), 1)  # grows the table if needed
+        return float(self._verify_dense[num_tokens])
 
     def as_tensor_table(self, max_tokens: int, num_reqs: int, device=None, dtype=None):
         """Step time per total token count 0..max_tokens for `num_reqs` requests, as a tensor

@@ -206,12 +206,10 @@ class SpecDecoder:
             return True
         cost = self.cost
         base = num_reqs + other
-        plain = num_sampling / max(
-            float(cost.fixed_overhead_ms + cost.verify_cost_ms(base)), 1e-6
-        )  # fmt: skip
+        plain = num_sampling / max(cost.fixed_overhead_ms + cost.verify_lookup(base), 1e-6)
         lengths = np.arange(1, self.k + 1)
         gains = num_sampling * (1.0 + np.cumsum(self._survival[: self.k]))
-        times = cost.step_time_ms(base + num_sampling * lengths, num_reqs)
+        times = cost.step_time_lookup(base + num_sampling * lengths, num_reqs)
         best = float((gains / times).max())
         return best > plain * (1.0 + self.sc.min_predicted_gain)
 

@@ -103,7 +103,7 @@ def plan_budget_lagged(
     else:
         a = np.asarray(allowed_budgets, dtype=np.int64).reshape(-1)
         cand = np.union1d(a[(a >= 0) & (a <= total)], [total])
-    theta = yield_n[cand] / cost.step_time_ms(num_reqs + num_other_tokens + cand, num_reqs)
+    theta = yield_n[cand] / cost.step_time_lookup(num_reqs + num_other_tokens + cand, num_reqs)
     i = int(np.argmax(theta))
     best, theta_best, theta_full = int(cand[i]), float(theta[i]), float(theta[-1])
     if theta_full > 0:

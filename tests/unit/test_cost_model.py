@@ -120,3 +120,21 @@ def test_median_of_repeats_calls_and_times():
     assert 0.0 < ms < 1000.0
     with pytest.raises(ValueError):
         median_of_repeats(lambda: None, repeats=0)
+
+
+@pytest.mark.parametrize("graphs", [None, (1, 8, 64, 512)])
+def test_lookup_tables_equal_the_interpolation_bit_for_bit(graphs):
+    """The planner's dense host tables give exactly step_time_ms / verify_cost_ms (also past
+    the profiled range, with graph buckets, and after the fixed term is corrected online)."""
+    rng = np.random.default_rng(3)
+    tokens = np.unique(rng.integers(1, 3000, 12))
+    cost = CostModel.from_measurements(tokens, np.sort(rng.uniform(1, 30, tokens.size)),
+                                       [1, 16, 256], [0.5, 0.9, 3.0], fixed_ms=0.7,
+                                       graph_sizes=graphs)  # fmt: skip
+    n = np.concatenate([np.arange(0, 70), rng.integers(0, 6000, 300)])
+    for reqs in (1, 7, 300):
+        assert np.array_equal(cost.step_time_lookup(n, reqs), cost.step_time_ms(n, reqs))
+    cost.fixed_overhead_ms = 2.5
+    assert np.array_equal(cost.step_time_lookup(n, 7), cost.step_time_ms(n, 7))
+    for t in (0, 1, 63, 2999, 5000):
+        assert cost.verify_lookup(t) == float(cost.verify_cost_ms(t))
