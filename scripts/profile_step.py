@@ -41,8 +41,43 @@ def measure(llm: LLM, conc: int, args, temp: float) -> dict:
     steps = stats["steps"] - s0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     acc = [o.spec_decode["mean_acceptance_length"] for o in outs if o.spec_decode]
+    acc = [a for a in acc if a is not None]  # None: the request never verified a draft
     return {"steps": steps, "ms_per_step": (stats["step_time_ms"] - t0) / max(steps, 1),
             "tok_s": toks / wall, "acc": sum(acc) / len(acc) if acc else None}  # fmt: skip
+
+
+def _phase(obj, name: str, label: str) -> None:
+    """Wrap obj.name in a profiler range `phase::label` (instance attribute; profiling only)."""
+    from torch.profiler import record_function
+
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        with record_function(f"phase::{label}"):
+            return fn(*a, **k)
+
+    setattr(obj, name, wrapped)
+
+
+def label_phases(llm: LLM) -> None:
+    """Name the engine's phases in profiler traces: schedule, plan, pack (host inputs),
+    upload, allocate, target forward, verify/sample, propose, write_context, commit."""
+    import dspark.engine.model_runner as mr
+
+    eng, runner = llm.engine, llm.engine.runner
+    _phase(eng.scheduler, "schedule", "schedule")
+    _phase(eng, "_commit", "commit")
+    _phase(runner, "forward", "target_forward")
+    for name in ("pack_step", "upload_step"):
+        if not hasattr(mr, f"_orig_{name}"):
+            setattr(mr, f"_orig_{name}", getattr(mr, name))
+            _phase(mr, name, name.split("_")[0])
+    if runner.spec is not None:
+        spec = runner.spec
+        for name, label in (("plan", "plan"), ("choose_lengths", "allocate"),
+                            ("verify", "verify"), ("propose", "propose")):  # fmt: skip
+            _phase(spec, name, label)
+        _phase(spec.drafter, "write_context", "write_context")
 
 
 def profile(llm: LLM, args, temp: float, label: str) -> str:
@@ -54,12 +89,20 @@ def profile(llm: LLM, args, temp: float, label: str) -> str:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     s0 = llm.engine.stats["steps"]
     with tprofile(activities=acts) as prof:
-        llm.generate(prompts(1, args.prompt_len, 3), params, use_tqdm=False)
+        llm.generate(prompts(args.profile_concurrency, args.prompt_len, 3), params,
+                     use_tqdm=False)  # fmt: skip
     steps = max(llm.engine.stats["steps"] - s0, 1)
+    if args.trace:
+        prof.export_chrome_trace(os.path.join(args.out, f"trace_{label.replace(' ', '_')}.json"))
     ka = prof.key_averages()
     launches = sum(e.count for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                      "cudaGraphLaunch", "cuLaunchKernelEx"))
-    text = [f"### {label}: {steps} steps, {launches / steps:.0f} kernel/graph launches per step"]
+    text = [f"### {label}: {steps} steps at concurrency {args.profile_concurrency}, "
+            f"{launches / steps:.0f} kernel/graph launches per step"]
+    phases = sorted((e for e in ka if e.key.startswith("phase::")),
+                    key=lambda e: -e.cpu_time_total)  # fmt: skip
+    text += [f"  {e.key[7:]:<16} {e.cpu_time_total / steps:9.1f} us host per step "
+             f"({e.count / steps:.2f} calls)" for e in phases]  # fmt: skip
     text.append(ka.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         text.append(ka.table(sort_by="self_cuda_time_total", row_limit=args.rows))
@@ -77,6 +120,10 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--profile-tokens", type=int, default=32)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--profile-concurrency", type=int, default=1)
+    ap.add_argument("--trace", action="store_true", help="also write Chrome traces to --out")
+    ap.add_argument("--synthetic-rates", default=None,
+                    help="SYNTHETIC acceptance per position (benchmark mode, not lossless)")
     ap.add_argument("--arms", default="nospec,fixed", help="from nospec,fixed,adaptive")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -90,6 +137,9 @@ def main() -> int:
         kw.update(device="cpu", max_num_seqs=4)
     levels = [int(c) for c in args.concurrency.split(",")]
     base = {"model": args.drafter, "num_speculative_tokens": args.k}
+    if args.synthetic_rates:
+        base.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
             "adaptive": dict(base, enable_adaptive_verification=True)}  # fmt: skip
     temps = [float(t) for t in args.temperatures.split(",")]
@@ -97,6 +147,7 @@ def main() -> int:
     for arm in args.arms.split(","):
         spec = arms[arm]
         with LLM(args.target, speculative_config=spec, **kw) as llm:
+            label_phases(llm)
             for temp in temps:
                 for c in levels:
                     kind = "triton" if rng._TRITON and torch.cuda.is_available() else "torch"
