@@ -23,7 +23,8 @@ STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }  # exact stage names, comma-separated
-if [[ -d .whl ]] && ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
+if (has e2e || has synth) && [[ -d .whl ]] &&
+   ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
 then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
     prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
