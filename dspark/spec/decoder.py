@@ -26,7 +26,7 @@ from dspark.spec.confidence import (
     features_from_draft_probs,
     load_sts,
 )
-from dspark.spec.planner import Planner
+from dspark.spec.planner import Planner, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import Timer, trace_record
 from dspark.spec.verify import VerifyInputs, verify, verify_greedy
@@ -111,6 +111,7 @@ class SpecDecoder:
         self._alloc_events: list[tuple] = []
         self._alloc_ms = 0.0
         self._no_drafts = False
+        self._plain_fixed_ms: float | None = None  # online: fixed cost of a step without drafts
 
     # -- memory ---------------------------------------------------------------------------
     def cache_bytes_per_block(self, block_size: int) -> int:
@@ -204,14 +205,8 @@ class SpecDecoder:
             or num_sampling == 0
         ):
             return True
-        cost = self.cost
-        base = num_reqs + other
-        plain = num_sampling / max(cost.fixed_overhead_ms + cost.verify_lookup(base), 1e-6)
-        lengths = np.arange(1, self.k + 1)
-        gains = num_sampling * (1.0 + np.cumsum(self._survival[: self.k]))
-        times = cost.step_time_lookup(base + num_sampling * lengths, num_reqs)
-        best = float((gains / times).max())
-        return best > plain * (1.0 + self.sc.min_predicted_gain)
+        return drafting_pays(self.cost, self._survival[: self.k], num_reqs, other, num_sampling,
+                             self._plain_fixed_ms, self.sc.min_predicted_gain)  # fmt: skip
 
     def _refresh_host_conf(self) -> None:
         # Use the last copy that has landed; never wait for the device.
@@ -316,10 +311,9 @@ class SpecDecoder:
         last = (num_out - 1).clamp(min=0)
         anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
         anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
-        # Every row greedy: probabilistic drafts would be one-hot at the argmax anyway and
-        # greedy verification never reads them, so draft greedily (no sampling, no [R,K,V]
-        # distributions). A row's temperature is fixed for life, so a request whose drafts
-        # skip the distributions here is never verified by sampling later.
+        # All rows greedy: probabilistic drafts would be one-hot argmaxes that greedy
+        # verification never reads, so skip sampling and the [R,K,V] distributions (a row's
+        # temperature is fixed for life: these drafts are never verified by sampling).
         method = "greedy" if inp.all_greedy else self.sc.draft_sample_method
         draft = None
         if self.draft_graphs is not None:
@@ -358,12 +352,10 @@ class SpecDecoder:
             self._conf_copy_done.record()
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
-        """Online correction of the cost model's fixed per-step term: the measured step time
-        beyond what the table predicts for this step's tokens (host scheduling, input
-        building, sampling, the commit) is a cost no trimming can remove. Leaving it out makes
-        every token look relatively expensive and the planner over-trims. An exponential
-        moving average of the residual replaces the table's fixed term; warm-up steps (kernel
-        compilation) are skipped."""
+        """Online correction of the fixed per-step term: the measured step time beyond the
+        table's forward (+ drafter) time is host work no trimming removes; left out, every
+        token looks too expensive and the planner over-trims. An EMA of the residual replaces
+        the table's fixed term (warm-up steps skipped)."""
         if not self._online_cost or num_reqs == 0:
             return
         self._cost_steps += 1
@@ -374,6 +366,12 @@ class SpecDecoder:
         if self.draft_enabled:  # the drafter ran in this step
             variable += float(cost.draft_cost_ms(num_reqs))
         residual = max(0.0, step_ms - variable)
+        if not self.draft_enabled and self._no_drafts:
+            # a step without speculation: the baseline drafting must beat, learned apart (one
+            # shared term would make drafting look cheaper than it is, whichever mode dominates)
+            prev = self._plain_fixed_ms
+            self._plain_fixed_ms = residual if prev is None else 0.9 * prev + 0.1 * residual
+            return
         cost.fixed_overhead_ms = 0.9 * cost.fixed_overhead_ms + 0.1 * residual
         # device tables of the early-stop policy embed the fixed term: rebuild on real change
         if abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
@@ -399,6 +397,7 @@ class SpecDecoder:
             "trimmed": None if d is None else d.trimmed,
             "cost_table_status": self.cost_status,
             "fixed_overhead_ms": None if self.cost is None else self.cost.fixed_overhead_ms,
+            "plain_fixed_overhead_ms": self._plain_fixed_ms,
             "confidence_source": "head" if self.use_head else "online",
             "drafting": self.draft_enabled,
         }

@@ -117,6 +117,23 @@ def plan_budget_lagged(
                           theta_full=theta_full, predicted_gain=gain, trimmed=trimmed)
 
 
+def drafting_pays(cost: CostModel, survival: np.ndarray, num_reqs: int, other: int,
+                  num_sampling: int, plain_fixed_ms: float | None,
+                  min_predicted_gain: float) -> bool:
+    """Whether some verify length l = 1..K (each sampling request verifying l drafts with the
+    given mean prefix survival) beats plain decoding in tokens per ms once the drafter's cost
+    is paid. Plain decoding costs `plain_fixed_ms` (the measured fixed cost of steps without
+    speculation; the table's fixed term until one is measured) + the forward of the base
+    tokens."""
+    base = num_reqs + other
+    fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
+    plain = num_sampling / max(fixed + cost.verify_lookup(base), 1e-6)
+    lengths = np.arange(1, survival.size + 1)
+    gains = num_sampling * (1.0 + np.cumsum(survival))
+    times = cost.step_time_lookup(base + num_sampling * lengths, num_reqs)
+    return float((gains / times).max()) > plain * (1.0 + min_predicted_gain)
+
+
 # ---------------------------------------------------------------------- device side
 def _survival_ranks(conf: torch.Tensor, capacities: torch.Tensor, drop_zero: bool = False):
     """Rank of every slot in the global order (-survival, position, request); invalid slots

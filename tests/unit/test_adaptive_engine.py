@@ -153,30 +153,72 @@ def test_scheduler_overhead_is_measured(tiny_qwen, drafter, tmp_path):
 
 def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     """A start-up profile times only the forward and the drafter; the engine's real steps also
-    pay host work. The fixed term converges to the measured residual."""
+    pay host work. Each step's residual (measured time beyond the table's forward + drafter
+    time) feeds an exponential moving average: speculative steps the table's fixed term,
+    steps without speculation (drafting skipped) the plain one. Replayed here exactly."""
     llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
               speculative_config={"model": drafter, "num_speculative_tokens": 5,
                                   "adaptive_policy": "lagged"})  # fmt: skip
     spec = llm.engine.runner.spec
     assert spec.cost.provenance["source"] == "profiled" and spec.cost.fixed_overhead_ms == 0.0
-    seen = []
+    want = {"spec": 0.0, "plain": None}
+    kinds = []
     observe = spec.observe_step_time
 
     def spy(step_ms, num_tokens, num_reqs):
-        variable = float(spec.cost.verify_cost_ms(num_tokens))
-        if spec.draft_enabled:
-            variable += float(spec.cost.draft_cost_ms(num_reqs))
-        seen.append(max(0.0, step_ms - variable))
+        kinds.append(None)
+        if len(kinds) > 3:  # warm-up steps are skipped
+            variable = float(spec.cost.verify_cost_ms(num_tokens))
+            if spec.draft_enabled:
+                variable += float(spec.cost.draft_cost_ms(num_reqs))
+            residual = max(0.0, step_ms - variable)
+            kind = "plain" if not spec.draft_enabled and spec._no_drafts else "spec"
+            prev = want[kind]
+            want[kind] = residual if prev is None else 0.9 * prev + 0.1 * residual
+            kinds[-1] = kind
         observe(step_ms, num_tokens, num_reqs)
 
     spec.observe_step_time = spy
     _generate(llm)
-    assert len(seen) >= 15
-    learned = spec.cost.fixed_overhead_ms
-    assert learned > 0 and spec.metrics()["fixed_overhead_ms"] == learned
-    # an EMA of the residuals: within their range and near their recent level
-    recent = sorted(seen[-20:])
-    assert recent[0] * 0.5 <= learned <= recent[-1] * 1.5
+    assert kinds.count("plain") >= 5  # this random drafter does not pay: drafting stops
+    # plain steps never move the speculative term (and vice versa)
+    assert spec.cost.fixed_overhead_ms == pytest.approx(want["spec"], rel=1e-9, abs=1e-12)
+    assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(want["plain"], rel=1e-9)
+    assert want["plain"] > 0  # host work of a CPU step is real
+
+
+def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter):
+    """Steps without speculation (drafting skipped, nothing to verify) and speculative steps
+    pay different fixed costs; each is learned from its own steps, and the skip decision
+    compares drafting against the plain one."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})
+    spec = llm.engine.runner.spec
+    cost = spec.cost
+    spec._survival = np.full(5, 0.5)
+    tokens, reqs = 8, 8
+
+    def feed(drafting: bool, fixed_ms: float, n: int = 120) -> None:
+        spec.draft_enabled, spec._no_drafts = drafting, not drafting
+        step = float(cost.verify_cost_ms(tokens)) + fixed_ms
+        if drafting:
+            step += float(cost.draft_cost_ms(reqs))
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, reqs)
+
+    feed(True, 3.0)
+    feed(False, 1.0)
+    assert cost.fixed_overhead_ms == pytest.approx(3.0, rel=1e-3)
+    assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(1.0, rel=1e-3)
+    # the decision uses the plain term for plain decoding: with plain steps made expensive,
+    # drafting pays; with them cheap, it does not
+    verify_base = cost.verify_lookup(reqs)
+    spec._plain_fixed_ms = 1e3
+    assert spec._drafting_pays(reqs, 0, reqs)
+    spec._plain_fixed_ms = 0.0
+    cost.fixed_overhead_ms = 1e3 + verify_base
+    assert not spec._drafting_pays(reqs, 0, reqs)
 
 
 def test_no_online_correction_for_tables_from_elsewhere(tiny_qwen, drafter, tmp_path):
