@@ -192,9 +192,9 @@ class LLMEngine:
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = []
         now = time.time()
-        for row, emitted, verified, drafted in zip(
+        for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
-        ):
+        )):  # fmt: skip
             req = row.req
             if not row.samples:
                 req.num_computed_tokens += row.num_new_tokens
@@ -223,7 +223,7 @@ class LLMEngine:
                 self._release_slot(req)
             else:
                 spec = self.runner.spec
-                req.has_drafts = spec is not None and spec.draft_enabled
+                req.has_drafts = spec is not None and spec.drafts_row(i)
                 self.block_manager.cache_full_blocks(req)
             outputs.append(self._make_output(req, new_tokens))
         return outputs

@@ -34,6 +34,7 @@ from dspark.spec.verify import VerifyInputs, verify, verify_greedy
 logger = logging.getLogger(__name__)
 
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
+_PROBE_ROWS = 8  # ... for this many rows of the step
 
 
 class SpecDecoder:
@@ -103,6 +104,7 @@ class SpecDecoder:
         self.last_budget: int | None = None
         # draft-skipping (lagged policy): whether this step proposes drafts for the next one
         self.draft_enabled = True
+        self.probing = False
         self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
         self._skipped = 0  # consecutive steps that skipped drafting
         self.draft_graphs = None
@@ -191,6 +193,7 @@ class SpecDecoder:
         # while skipping, draft once in a while anyway so the survival estimate stays fresh
         self._skipped = 0 if pays else self._skipped + 1
         self.draft_enabled = pays or self._skipped % _PROBE_EVERY == 0
+        self.probing = not pays  # a probe drafts for a few rows only (see drafts_row)
         return budget
 
     def _drafting_pays(self, num_reqs: int, other: int, num_sampling: int) -> bool:
@@ -308,26 +311,28 @@ class SpecDecoder:
         d.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches, self.backend)
         if not self.draft_enabled:
             return  # context still written: drafting can resume at any later step
+        # a probe refreshes the survival estimate on a few rows, not the whole batch
+        rows = slice(0, _PROBE_ROWS) if self.probing else slice(None)
+        out, num_out = out[rows], num_out[rows]
+        block_tables, temperature, seeds = inp.block_tables[rows], inp.temperature[rows], \
+            inp.seeds[rows]
+        rounds, slots = inp.rounds[rows] + 1, inp.slots[rows]
         last = (num_out - 1).clamp(min=0)
         anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
-        anchor_pos = inp.anchor_pos + num_out  # position of the token emitted last
+        anchor_pos = inp.anchor_pos[rows] + num_out  # position of the token emitted last
         # All rows greedy: probabilistic drafts would be one-hot argmaxes that greedy
         # verification never reads, so skip sampling and the [R,K,V] distributions (a row's
         # temperature is fixed for life: these drafts are never verified by sampling).
         method = "greedy" if inp.all_greedy else self.sc.draft_sample_method
         draft = None
         if self.draft_graphs is not None:
-            draft = self.draft_graphs.run(
-                anchors, anchor_pos, inp.block_tables, inp.temperature, inp.seeds, inp.rounds + 1,
-                method,
-            )  # fmt: skip
+            draft = self.draft_graphs.run(anchors, anchor_pos, block_tables, temperature, seeds,
+                                          rounds, method)  # fmt: skip
         if draft is None:
             draft = d.propose(
-                anchors, anchor_pos, inp.block_tables, inp.max_seq_len + self.k + 1,
-                self.kv_caches, self.backend, self.k, inp.temperature, inp.seeds,
-                inp.rounds + 1, method,
+                anchors, anchor_pos, block_tables, inp.max_seq_len + self.k + 1, self.kv_caches,
+                self.backend, self.k, temperature, seeds, rounds, method,
             )  # fmt: skip
-        slots = inp.slots
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None and draft.probs is not None:
             self.draft_probs[slots] = draft.probs
@@ -344,6 +349,10 @@ class SpecDecoder:
             conf = self.estimator.predict(feats)
         self.conf[slots] = conf.float()
         self._copy_conf_to_host()
+
+    def drafts_row(self, i: int) -> bool:
+        """Whether row i of the step just run has drafts for the next step."""
+        return self.draft_enabled and (not self.probing or i < _PROBE_ROWS)
 
     def _copy_conf_to_host(self) -> None:
         self._host_staging.copy_(self.conf, non_blocking=True)

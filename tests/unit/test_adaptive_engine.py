@@ -246,6 +246,34 @@ def test_drafting_is_skipped_when_it_cannot_pay(tiny_qwen, drafter, reference, t
     assert llm.engine.spec_stats.num_steps >= 0.9 * decode_rounds
 
 
+def test_probes_while_skipping_draft_for_a_few_rows(tiny_qwen, drafter, monkeypatch, tmp_path):
+    """While drafting is skipped, a probe every few steps drafts for at most 8 rows of the
+    batch (enough to refresh an aggregate survival estimate) instead of all of them; the
+    output stays the plain decoding output."""
+    import dspark.spec.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    prompts = [list(range(5 + i, 12 + i)) for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(LLM(tiny_qwen, device="cpu"))
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=512)
+    spec = llm.engine.runner.spec
+    sizes, propose = [], spec.drafter.propose
+    spec.drafter.propose = lambda anchors, *a, **k: (sizes.append(anchors.shape[0]),
+                                                     propose(anchors, *a, **k))[1]
+    assert run(llm) == want
+    assert sizes[0] == 12  # before the first decision every row drafts
+    probes = sizes[1:]
+    assert len(probes) >= 3 and all(n <= 8 for n in probes)
+
+
 def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
     import os
 
