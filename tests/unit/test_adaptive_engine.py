@@ -275,12 +275,12 @@ def test_probes_while_skipping_draft_for_a_few_rows(tiny_qwen, drafter, monkeypa
 
 
 def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
-    import os
+    from pathlib import Path
 
     full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "config.json").write_text(open(os.path.join(full, "config.json")).read())
+    (bare / "config.json").write_text((Path(full) / "config.json").read_text())
     path = _table(tmp_path, "cheap_drafter", weight_read_ms=5.0, ms_per_token=0.001,
                   fixed_overhead_ms=1.0, draft_base_ms=0.5, draft_ms_per_req=0.0)  # fmt: skip
     cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
