@@ -190,7 +190,7 @@ class LLMEngine:
         return outputs
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        outputs = []
+        produced: list[tuple[Request, list[int]]] = []  # (request, its new tokens)
         now = time.time()
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
@@ -225,8 +225,14 @@ class LLMEngine:
                 spec = self.runner.spec
                 req.has_drafts = spec is not None and spec.drafts_row(i)
                 self.block_manager.cache_full_blocks(req)
-            outputs.append(self._make_output(req, new_tokens))
-        return outputs
+            produced.append((req, new_tokens))
+        # text for every request at once (one batched decode), then the outputs
+        self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
+        return [self._make_output(req, toks, detokenized=True) for req, toks in produced]
+
+    def _needs_text(self, req: Request) -> bool:
+        # (a stop string has already fixed the text)
+        return (self.stream_text or req.is_finished) and not isinstance(req.stop_reason, str)
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Called after each appended token (hot: once per generated token)."""
@@ -258,10 +264,11 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.detokenizer.decode(token_ids)
 
-    def _make_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        if (self.stream_text or req.is_finished) and not isinstance(req.stop_reason, str):
-            # (a stop string has already fixed the text)
-            self.detokenizer.update(req)
+    def _make_output(self, req: Request, new_tokens: list[int],
+                     detokenized: bool = False) -> RequestOutput:
+        if self._needs_text(req):
+            if not detokenized:
+                self.detokenizer.update(req)
             if req.is_finished and req.read_offset < req.num_output_tokens:
                 # flush a held-back tail (e.g. an incomplete character at the very end)
                 req.output_text = self.decode(req.output_token_ids)

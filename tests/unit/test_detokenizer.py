@@ -59,3 +59,34 @@ def test_engine_stop_strings_match_full_decode(tiny_qwen):
                        SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]  # fmt: skip
     assert out.outputs[0].text == text[:first]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_batched_update_equals_per_request_update(tiny_qwen):
+    """update_many (one Rust decode_batch call per step) leaves every request with exactly the
+    text, offsets and deltas of per-request update, chunk by chunk, multi-byte text included."""
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    detok = Detokenizer(tok)
+    assert detok._decode_batch is not None  # the fast path is what is tested
+    rng = random.Random(5)
+    texts = ["héllo wörld – ✓ 你好 " * 3, "def f(x):\n    return x * 2\n", "ünïcødé ✓✓ 猫 " * 2]
+    seqs = [tok.encode(t, add_special_tokens=False) for t in texts]
+    seqs += [[rng.randrange(tok.vocab_size) for _ in range(40)] for _ in range(3)]
+    one = [Request(f"a{i}", [1, 2], SamplingParams(), [], seed=0) for i in range(len(seqs))]
+    many = [Request(f"b{i}", [1, 2], SamplingParams(), [], seed=0) for i in range(len(seqs))]
+    pos = [0] * len(seqs)
+    while any(p < len(s) for p, s in zip(pos, seqs)):
+        active = []
+        for i, s in enumerate(seqs):
+            n = rng.randint(0, 3)  # 0: this request gets no token this step
+            for r in (one[i], many[i]):
+                r.token_ids.extend(s[pos[i] : pos[i] + n])
+            pos[i] += n
+            active.append(i)
+        for i in active:
+            detok.update(one[i])
+        detok.update_many([many[i] for i in active])
+        for a, b in zip(one, many):
+            assert (a.output_text, a.prefix_offset, a.read_offset) == (
+                b.output_text, b.prefix_offset, b.read_offset)
+    for a, s in zip(one, seqs[:3]):
+        assert a.output_text == tok.decode(s, skip_special_tokens=True)
