@@ -215,13 +215,17 @@ class CostModel:
         """Draft budgets n in [0, max_budget] worth considering with captured graphs: those
         whose total `num_fixed_tokens + n` fills a bucket exactly, every n past the captured
         range (eager), and `max_budget` itself (verify-all). Without graphs: all n."""
-        n = np.arange(int(max_budget) + 1)
+        max_budget = int(max_budget)
         if not self.graph_sizes:
-            return n
-        total = num_fixed_tokens + n
-        keep = np.isin(total, np.asarray(self.graph_sizes)) | (total > self.graph_sizes[-1])
-        keep[-1] = True
-        return n[keep]
+            return np.arange(max_budget + 1)
+        # per step: built from the bucket sizes, not by testing every n (planning is hot)
+        sizes = np.asarray(self.graph_sizes, dtype=np.int64) - int(num_fixed_tokens)
+        inside = sizes[(sizes >= 0) & (sizes <= max_budget)]  # sorted, all below `beyond`
+        beyond = np.arange(max(int(sizes[-1]) + 1, 0), max_budget + 1)
+        cand = np.concatenate([inside, beyond])
+        if cand.size == 0 or cand[-1] != max_budget:
+            cand = np.append(cand, max_budget)
+        return cand
 
     def snap_budget(self, num_fixed_tokens: int, budget: int, max_budget: int) -> int:
         """Grow `budget` to fill its graph bucket (the padding is paid for anyway)."""

@@ -102,7 +102,10 @@ def plan_budget_lagged(
         cand = np.arange(total + 1)
     else:
         a = np.asarray(allowed_budgets, dtype=np.int64).reshape(-1)
-        cand = np.union1d(a[(a >= 0) & (a <= total)], [total])
+        a = a[(a >= 0) & (a < total)]
+        if a.size > 1 and not bool((a[1:] > a[:-1]).all()):  # (budget_candidates' are sorted)
+            a = np.unique(a)
+        cand = np.append(a, total)
     theta = yield_n[cand] / cost.step_time_lookup(num_reqs + num_other_tokens + cand, num_reqs)
     i = int(np.argmax(theta))
     best, theta_best, theta_full = int(cand[i]), float(theta[i]), float(theta[-1])

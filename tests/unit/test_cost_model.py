@@ -138,3 +138,17 @@ def test_lookup_tables_equal_the_interpolation_bit_for_bit(graphs):
     assert np.array_equal(cost.step_time_lookup(n, 7), cost.step_time_ms(n, 7))
     for t in (0, 1, 63, 2999, 5000):
         assert cost.verify_lookup(t) == float(cost.verify_cost_ms(t))
+
+
+def test_budget_candidates_are_exactly_the_bucket_filling_budgets():
+    """Every n in [0, max] whose total fills a captured bucket, every n past the captured
+    range, and max itself — checked against a brute-force filter."""
+    cost = CostModel.analytic(graph_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128))
+    sizes = set(cost.graph_sizes)
+    for fixed in (0, 3, 17, 64, 127, 128, 200):
+        for max_budget in (0, 1, 5, 40, 111, 300):
+            want = [n for n in range(max_budget + 1)
+                    if fixed + n in sizes or fixed + n > 128 or n == max_budget]
+            got = cost.budget_candidates(fixed, max_budget)
+            assert got.tolist() == want, (fixed, max_budget)
+    assert CostModel.analytic().budget_candidates(5, 7).tolist() == list(range(8))

@@ -67,8 +67,11 @@ def test_lagged_budget_matches_brute_force_on_random_instances():
         allowed = None
         if rng.random() < 0.3:
             allowed = set(rng.choice(int(caps.sum()) + 1, 3).tolist())
-        d = plan_budget_lagged(conf, caps, other, n_sampling, cost, gain,
-                               None if allowed is None else np.array(sorted(allowed)))
+        given = None
+        if allowed is not None:  # any order, repeats allowed
+            given = np.array(sorted(allowed) if rng.random() < 0.5 else list(allowed) * 2)
+            rng.shuffle(given)
+        d = plan_budget_lagged(conf, caps, other, n_sampling, cost, gain, given)
         want_b, want_theta = brute_force_plan(conf, caps, other, n_sampling, cost, gain,
                                               allowed)
         assert d.budget == want_b
