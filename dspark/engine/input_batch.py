@@ -125,39 +125,40 @@ def _int_sizes(meta: np.ndarray) -> list[int]:
 
 
 def pack_step(
-    rows: list[ScheduledRow], block_tables: list[list[int]], block_size: int
+    rows: list[ScheduledRow], block_tables: np.ndarray, block_size: int
 ) -> HostStep:
+    """Host arrays of one step. `block_tables` [R, B] int64: row i is rows[i]'s block table,
+    zero past its end (BlockTableMirror.rows)."""
     num_reqs = len(rows)
-    num_new = np.array([r.num_new_tokens for r in rows], dtype=np.int64)
-    caps = np.array([r.num_draft_slots for r in rows], dtype=np.int64)
-    start = np.array([r.req.num_computed_tokens for r in rows], dtype=np.int64)
+    # One Python pass over the rows (hot: every step, up to max_num_seqs rows): per-row
+    # numbers, and the non-draft tokens of every row (from the request) in stream order.
+    toks: list[int] = []
+    per_row, per_row_f = [], []
+    for r in rows:
+        req, p = r.req, r.req.params
+        s, nd = req.num_computed_tokens, r.num_new_tokens - r.num_draft_slots
+        toks += req.token_ids[s : s + nd]
+        per_row.append((r.num_new_tokens, r.num_draft_slots, s, r.samples, req.slot, req.seed,
+                        req.round, p.top_k))  # fmt: skip
+        per_row_f.append((p.temperature, p.top_p, p.min_p))
+    cols = np.array(per_row, dtype=np.int64).reshape(num_reqs, 8).T
+    num_new, caps, start, samples, slots, seeds, rounds, top_k = cols
+    temperature, top_p, min_p = np.array(per_row_f, dtype=np.float32).reshape(num_reqs, 3).T
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_new, out=qsl[1:])
     total = int(qsl[-1])
-    # token stream: non-draft tokens come from the request; draft slots are placeholders
+    # token stream: a row's non-draft tokens come first; its draft slots are placeholders
     input_ids = np.zeros(total, dtype=np.int64)
-    for i, r in enumerate(rows):
-        nd = r.num_new_tokens - r.num_draft_slots
-        s = r.req.num_computed_tokens
-        input_ids[qsl[i] : qsl[i] + nd] = r.req.token_ids[s : s + nd]
+    nd = num_new - caps
+    input_ids[np.repeat(qsl[:-1] - (np.cumsum(nd) - nd), nd) + np.arange(len(toks))] = toks
     row_of_token = np.repeat(np.arange(num_reqs), num_new)
     positions = np.arange(total, dtype=np.int64) - qsl[row_of_token] + start[row_of_token]
-    max_blocks = max(1, max(len(t) for t in block_tables))
-    bt = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-    for i, t in enumerate(block_tables):
-        bt[i, : len(t)] = t
+    bt = block_tables  # [R, max blocks] (zero past each table's end)
+    max_blocks = bt.shape[1]
     slot_mapping = bt[row_of_token, positions // block_size] * block_size + positions % block_size
-    params = [r.req.params for r in rows]
-    temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    top_k = np.array([p.top_k for p in params], dtype=np.int64)
-    top_p = np.array([p.top_p for p in params], dtype=np.float32)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    samples = np.array([r.samples for r in rows], dtype=np.int64)
-    slots = np.array([r.req.slot for r in rows], dtype=np.int64)
     ints = [
         input_ids, positions, slot_mapping, qsl, start + num_new, bt.reshape(-1), samples, caps,
-        num_new - caps, start, slots, np.array([r.req.seed for r in rows], dtype=np.int64),
-        np.array([r.req.round for r in rows], dtype=np.int64), top_k,
+        nd, start, slots, seeds, rounds, top_k,
     ]  # fmt: skip
     fill = np.zeros((3, 0), dtype=np.int64)
     if caps.any():  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer

@@ -15,7 +15,7 @@ import time
 import torch
 
 from dspark.config import EngineConfig
-from dspark.engine.block_manager import BlockManager
+from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.request import Request, RequestStatus, SpecStats
@@ -67,6 +67,8 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.block_tables = BlockTableMirror(self.block_manager, config.max_num_seqs,
+                                             self.runner.max_blocks_per_seq)  # fmt: skip
         self.max_model_len = self.runner.max_model_len
         spec = config.speculative_config
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -179,7 +181,7 @@ class LLMEngine:
             if row.req.slot < 0:
                 row.req.slot = self._free_slots.pop()
         plan = self.runner.spec.plan(sched.rows) if self.runner.spec is not None else None
-        tables = [self.block_manager.block_table(r.req) for r in sched.rows]
+        tables = self.block_tables.rows([r.req for r in sched.rows])
         result = self.runner.execute(sched, tables, plan)
         self.stats["steps"] += 1
         outputs = self._commit(sched, result)

@@ -242,7 +242,7 @@ class ModelRunner:
         return num
 
     # -- the step ---------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]], plan) -> StepResult:
+    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray, plan) -> StepResult:
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
         if self.world is None:

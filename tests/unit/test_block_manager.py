@@ -96,3 +96,44 @@ def test_randomized_schedule_keeps_integrity(tiny_qwen, seed):
     assert finished + n_aborted == n_added
     assert engine.stats["preemptions"] > 0
     assert bm.num_free_blocks == bm.num_blocks - 1  # nothing leaked
+
+
+def test_block_table_mirror_matches_the_tables_through_reuse():
+    """The incremental numpy mirror equals the block manager's lists (zero-padded) after every
+    change: growth, frees, slots reused by other requests, a request re-admitted into its old
+    slot with a new table (as after preemption)."""
+    import numpy as np
+
+    from dspark.engine.block_manager import BlockTableMirror
+
+    rng = random.Random(3)
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    mirror = BlockTableMirror(bm, num_slots=4, max_blocks=4)  # rows grow past 4 blocks too
+    live: dict[int, Request] = {}
+    counter = 0
+    for _ in range(400):
+        slot = rng.randrange(4)
+        req = live.get(slot)
+        action = rng.random()
+        if req is None or action < 0.15:  # (re)admit: a fresh table in this slot
+            if req is not None:
+                bm.free(req)
+            if req is None or rng.random() < 0.5:
+                counter += 1
+                req = _req(f"r{counter}", [1, 2, 3])
+            req.slot = slot
+            live[slot] = req
+            assert bm.allocate(req, rng.randint(1, 8))
+        elif action < 0.9:  # grow
+            have = len(bm.block_table(req)) * 4
+            if not bm.allocate(req, have + rng.randint(1, 6)):
+                continue
+        reqs = list(live.values())
+        rng.shuffle(reqs)
+        got = mirror.rows(reqs)
+        width = max(len(bm.block_table(r)) for r in reqs)
+        want = np.zeros((len(reqs), max(width, 1)), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            t = bm.block_table(r)
+            want[i, : len(t)] = t
+        assert np.array_equal(got, want)
