@@ -27,12 +27,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(
-    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
-)
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass
@@ -156,7 +151,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISHED  # hot: several times per request and step
+        s = self.status  # hot: several times per request and step (identity tests only)
+        return s is not RequestStatus.WAITING and s is not RequestStatus.RUNNING
 
     def __repr__(self) -> str:
         return (
