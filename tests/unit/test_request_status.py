@@ -11,4 +11,4 @@ def test_every_status_but_waiting_and_running_is_finished():
     for status in RequestStatus:
         req.status = status
         assert req.is_finished == status.finished == (status not in live)
-        assert status.finished == status.value in ("stop", "length", "abort")
+        assert status.finished == (status.value in ("stop", "length", "abort"))
