@@ -87,7 +87,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -103,7 +102,6 @@ class Scheduler:
                 continue  # req preempted itself; self.running shrank, do not advance i
             samples = req.num_computed_tokens + num_new >= req.num_tokens
             out.rows.append(ScheduledRow(req, num_new, drafts, samples))
-            scheduled.add(req.request_id)
             budget -= num_new
             i += 1
         # Rows of requests preempted after being scheduled this step must be dropped.
