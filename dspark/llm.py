@@ -43,7 +43,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(config)
-        self.engine.stream_text = False  # generate() returns final outputs only
+        self.engine.stream_outputs = False  # generate() uses finished outputs only
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

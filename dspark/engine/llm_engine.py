@@ -82,9 +82,10 @@ class LLMEngine:
         self._counter = itertools.count()
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.spec_stats = SpecStats()
-        # text of unfinished outputs each step (servers stream it); the offline API only
-        # needs the final text, so it turns this off and skips per-step detokenization
-        self.stream_text = True
+        # outputs (with text) of unfinished requests every step: servers stream them. The
+        # offline API only needs finished outputs, so it turns this off: step() then returns
+        # finished requests only, without per-step detokenization or output objects
+        self.stream_outputs = True
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "step_time_ms": 0.0}  # fmt: skip
 
@@ -227,14 +228,15 @@ class LLMEngine:
                 spec = self.runner.spec
                 req.has_drafts = spec is not None and spec.drafts_row(i)
                 self.block_manager.cache_full_blocks(req)
-            produced.append((req, new_tokens))
+            if self.stream_outputs or req.is_finished:
+                produced.append((req, new_tokens))
         # text for every request at once (one batched decode), then the outputs
         self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
         return [self._make_output(req, toks, detokenized=True) for req, toks in produced]
 
     def _needs_text(self, req: Request) -> bool:
         # (a stop string has already fixed the text)
-        return (self.stream_text or req.is_finished) and not isinstance(req.stop_reason, str)
+        return (self.stream_outputs or req.is_finished) and not isinstance(req.stop_reason, str)
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Called after each appended token (hot: once per generated token)."""
