@@ -7,8 +7,9 @@
 #   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
 #   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
 #           -> $OUT/step8b/profile_step.txt
-#   train   the benchmark pair + demo pair (scripts/train_pair.py; needs .whl carried for
-#           HumanEval); the pair stays in out/pair for a following call
+#   train   the benchmark pair (scripts/train_pair.py, ~5 min; TRAIN_ARGS="" also retrains the
+#           demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
+#           machine is warm, for the e2e stage
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
@@ -58,7 +59,8 @@ if has step8b; then
 fi
 if has train; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
-    ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_pair.log" | tail -30
+    ${TRAIN_ARGS:---no-demo --target-max-time-s 140 --drafter-max-time-s 75 --calib-prompts 32 \
+      --eval-prompts 64 --eval-max-tokens 128} 2>&1 | tee "$OUT/train_pair.log" | tail -30
   cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
 fi
 pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest
