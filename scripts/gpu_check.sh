@@ -59,7 +59,7 @@ if has step8b; then
 fi
 if has train; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
-    ${TRAIN_ARGS:---no-demo --target-max-time-s 140 --drafter-max-time-s 75 --calib-prompts 32 \
+    ${TRAIN_ARGS---no-demo --target-max-time-s 140 --drafter-max-time-s 75 --calib-prompts 32 \
       --eval-prompts 64 --eval-max-tokens 128} 2>&1 | tee "$OUT/train_pair.log" | tail -30
   cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
 fi
