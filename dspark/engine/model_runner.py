@@ -137,7 +137,8 @@ class ModelRunner:
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.kv_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(shape[0])]
         if self.spec is not None:
-            self.spec.allocate_cache(self.num_blocks, self.block_size)
+            self.spec.kv_caches = self.spec.drafter.new_kv_caches(
+                self.num_blocks, self.block_size, device)
         self.graphs = None
         # Collectives inside CUDA graphs are untested here: eager under tensor parallelism
         # unless DSPARK_TP_CUDA_GRAPHS=1.
@@ -218,7 +219,7 @@ class ModelRunner:
         per = 2 * c.num_hidden_layers * self.block_size * num_kv_heads * c.head_dim
         per *= elem
         if self.spec is not None:
-            per += self.spec.cache_bytes_per_block(self.block_size)
+            per += self.spec.drafter.kv_cache_bytes_per_block(self.block_size)
         return per
 
     def _num_kv_blocks(self) -> int:

@@ -165,6 +165,19 @@ class DSparkDrafter(nn.Module):
     # ---------------------------------------------------------------- context
 
     @torch.no_grad()
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        elem = next(self.parameters()).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+    def new_kv_caches(self, num_blocks: int, block_size: int, device) -> list[tuple]:
+        """The drafter's paged context cache, one (K, V) pair per layer (same paging as the
+        target's)."""
+        shape = (self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        dtype = next(self.parameters()).dtype
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        return [(k[i], v[i]) for i in range(self.num_layers)]
+
     def write_context(
         self,
         aux_hidden: torch.Tensor,  # [T, m*d] target layer outputs at target_layer_ids

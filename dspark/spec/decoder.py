@@ -115,20 +115,6 @@ class SpecDecoder:
         self._no_drafts = False
         self._plain_fixed_ms: float | None = None  # online: fixed cost of a step without drafts
 
-    # -- memory ---------------------------------------------------------------------------
-    def cache_bytes_per_block(self, block_size: int) -> int:
-        d = self.drafter
-        elem = next(d.parameters()).element_size()
-        return 2 * d.num_layers * block_size * d.num_kv_heads * d.head_dim * elem
-
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        d = self.drafter
-        shape = (d.num_layers, num_blocks, block_size, d.num_kv_heads, d.head_dim)
-        dtype = next(d.parameters()).dtype
-        k = torch.zeros(shape, dtype=dtype, device=self.device)
-        v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.kv_caches = [(k[i], v[i]) for i in range(d.num_layers)]
-
     def capture_graphs(self, max_reqs: int, max_ctx_len: int, max_blocks: int) -> None:
         from dspark.spec.draft_graph import DraftGraphRunner
 
