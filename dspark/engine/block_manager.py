@@ -177,10 +177,9 @@ class BlockTableMirror:
 
     def rows(self, reqs: list[Request]) -> np.ndarray:
         """[R, max blocks among reqs] int64 block tables of reqs (by their slots)."""
-        tables = self.manager.block_tables
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         for req, s in zip(reqs, slots.tolist()):
-            ids = tables.get(req.request_id, [])
+            ids = self.manager.block_table(req)
             n, have = len(ids), int(self.lens[s])
             if self.owner[s] is not ids or n < have:  # another table now: rewrite the row
                 self.table[s, :have] = 0  # (past a table's end the row stays zero)

@@ -27,6 +27,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
+        # identity tests only: hot (several times per request and step), and hashing an Enum
+        # member runs Python code
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
@@ -151,8 +153,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        s = self.status  # hot: several times per request and step (identity tests only)
-        return s is not RequestStatus.WAITING and s is not RequestStatus.RUNNING
+        return self.status.finished
 
     def __repr__(self) -> str:
         return (

@@ -186,21 +186,24 @@ class CostModel:
         costs tens of microseconds). The fixed term is added at lookup: it is corrected
         online."""
         n = np.asarray(num_tokens, dtype=np.int64)
-        need = int(n.max()) + 1 if n.size else 1
-        if self._verify_dense.size < need:
-            size = max(1024, 1 << (need - 1).bit_length())
-            self._verify_dense = self.verify_cost_ms(np.arange(size))
+        verify = self._verify_table(int(n.max()) + 1 if n.size else 1)
         draft = self._draft_by_reqs.get(num_reqs)
         if draft is None:
             if len(self._draft_by_reqs) > 1024:
                 self._draft_by_reqs.clear()
             draft = self._draft_by_reqs[num_reqs] = self.draft_cost_ms(num_reqs)
-        return np.maximum(self.fixed_overhead_ms + (draft + self._verify_dense[n]), _MIN_STEP_MS)
+        return np.maximum(self.fixed_overhead_ms + (draft + verify[n]), _MIN_STEP_MS)
 
     def verify_lookup(self, num_tokens: int) -> float:
         """`verify_cost_ms` of one integer token count, from the same dense table."""
-        self.step_time_lookup(np.asarray([num_tokens]), 1)  # grows the table if needed
-        return float(self._verify_dense[num_tokens])
+        return float(self._verify_table(num_tokens + 1)[num_tokens])
+
+    def _verify_table(self, need: int) -> np.ndarray:
+        """verify_cost_ms over 0..size-1 (size >= need, a power of two >= 1024), cached."""
+        if self._verify_dense.size < need:
+            size = max(1024, 1 << (need - 1).bit_length())
+            self._verify_dense = self.verify_cost_ms(np.arange(size))
+        return self._verify_dense
 
     def as_tensor_table(self, max_tokens: int, num_reqs: int, device=None, dtype=None):
         """Step time per total token count 0..max_tokens for `num_reqs` requests, as a tensor
