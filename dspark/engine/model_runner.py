@@ -24,8 +24,9 @@ import torch
 
 from dspark.attention.base import AttentionBackend
 from dspark.config import EngineConfig
-from dspark.engine.input_batch import HostStep, StepInputs, finalize, pack_step, upload_step
+from dspark.engine.input_batch import HostStep, finalize, pack_step, upload_step
 from dspark.engine.scheduler import SchedulerOutput
+from dspark.engine.step_graph import StepGraphs, unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.layers.parallel import SINGLE, tensor_parallel
 from dspark.layers.rotary import rope_inv_freq
@@ -140,6 +141,7 @@ class ModelRunner:
             self.spec.kv_caches = self.spec.drafter.new_kv_caches(
                 self.num_blocks, self.block_size, device)
         self.graphs = None
+        self.step_graphs: StepGraphs | None = None
         # Collectives inside CUDA graphs are untested here: eager under tensor parallelism
         # unless DSPARK_TP_CUDA_GRAPHS=1.
         graphs_ok = self.tp.size == 1 or os.environ.get("DSPARK_TP_CUDA_GRAPHS") == "1"
@@ -163,6 +165,15 @@ class ModelRunner:
                 self.graphs = None
                 if self.spec is not None:
                     self.spec.draft_graphs = None
+            if self.graphs is not None and self.world is None and self.tp.size == 1:
+                try:
+                    self.step_graphs = StepGraphs(self)
+                    self.step_graphs.capture_all()
+                    if self.spec is not None:
+                        self.spec.graph_steps = True
+                except Exception:  # the per-phase graphs above still serve
+                    logger.exception("whole-step CUDA graph capture failed: not using them")
+                    self.step_graphs = None
         if self.spec is not None and self.spec.needs_cost_model:
             self._install_cost_model()
         logger.info(
@@ -246,13 +257,19 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray, plan) -> StepResult:
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
+        key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
+        if key is not None:  # the whole device half as (at most) two graph replays
+            out = self.step_graphs.run(host, key)
+            width = self.step_graphs.width(key[0])
+            return self._unpack(out, len(rows), key[1], width, rows, host.get("num_tokens"))
         if self.world is None:
             result = self.run_step(host, plan)
         else:
             with self.world.step_guard():
                 self.world.send_step(host, plan)  # the workers run the same step
                 result = self.run_step(host, plan)
-        return self._unpack(*result, rows)
+        host_out, inp, width = result
+        return self._unpack(host_out, inp.num_reqs, inp.num_reqs, width, rows, inp.num_tokens)
 
     @torch.inference_mode()
     def run_step(self, host: HostStep, plan: int | None):
@@ -323,7 +340,7 @@ class ModelRunner:
         cannot run steps afterwards (`released`)."""
         self.shutdown()
         self.released = True
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         if self.spec is not None:
             self.spec.draft_graphs = None
             self.spec.kv_caches = []
@@ -335,11 +352,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @staticmethod
-    def _unpack(host: np.ndarray, inp: StepInputs, width: int, rows) -> StepResult:
-        r = inp.num_reqs
-        out = host[: r * width].reshape(r, width)
-        num_out = host[r * width : r * width + r]
-        lengths = host[r * width + r :]
-        emitted = [out[i, : num_out[i]].tolist() for i in range(r)]
+    def _unpack(host: np.ndarray, num_reqs: int, bucket: int, width: int, rows,
+                num_tokens: int) -> StepResult:  # fmt: skip
+        out, num_out, lengths = unpack_outputs(host, num_reqs, bucket, width)
+        emitted = [out[i, : num_out[i]].tolist() for i in range(num_reqs)]
         drafted = [row.num_draft_slots for row in rows]
-        return StepResult(emitted, lengths.tolist(), drafted, inp.num_tokens)
+        return StepResult(emitted, lengths.tolist(), drafted, num_tokens)

@@ -40,12 +40,14 @@ def sample_step(logits: torch.Tensor, inp) -> tuple[torch.Tensor, torch.Tensor]:
     sample, num_emitted [R])."""
     device = logits.device
     n = inp.num_logits
-    row = torch.searchsorted(inp.cu_num_logits, torch.arange(n, device=device), right=True)
-    row = (row - 1).clamp(max=inp.num_reqs - 1)
+    tl = torch.arange(n, device=device)
+    row = (torch.searchsorted(inp.cu_num_logits, tl, right=True) - 1).clamp(max=inp.num_reqs - 1)
     tokens = sample_tokens(
         logits, row, inp.anchor_pos[row] + 1, inp.temperature, inp.top_k, inp.top_p, inp.min_p,
         inp.seeds, inp.rounds, inp.all_greedy,
     )  # fmt: skip
-    out = torch.full((inp.num_reqs, 1), -1, dtype=torch.int64, device=device)
+    # logits rows past the last sampling row (an upper bound on their count) go to a junk row
+    row = torch.where(tl < inp.cu_num_logits[-1], row, inp.num_reqs)
+    out = torch.full((inp.num_reqs + 1, 1), -1, dtype=torch.int64, device=device)
     out[row, 0] = tokens
-    return out, inp.samples.long()
+    return out[: inp.num_reqs], inp.samples.long()

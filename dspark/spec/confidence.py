@@ -264,3 +264,26 @@ class OnlineAcceptanceEstimator:
     def coefficients(self) -> tuple[float, list[float]]:
         """(slope, intercepts) on the host; syncs, for logs and metrics only."""
         return float(self.w.cpu()), self.b.cpu().tolist()
+
+
+def confidence_source(sc, drafter_cfg, k: int, device):
+    """(use the drafter's head?, online estimator or None, STS temperatures or None) for a
+    speculative config (`confidence_source`, `confidence_calibration_path`)."""
+    has_head = drafter_cfg.enable_confidence_head
+    if sc.confidence_source == "head" and not has_head:
+        raise ValueError(
+            "speculative_config.confidence_source is 'head' but the drafter has no "
+            "confidence head; use 'auto' or 'online'"
+        )
+    use_head = has_head and sc.confidence_source in ("auto", "head")
+    estimator = None if use_head else OnlineAcceptanceEstimator(k, device)
+    sts = None
+    if sc.confidence_calibration_path:
+        temps, _ = load_sts(sc.confidence_calibration_path)
+        if len(temps) < k:
+            raise ValueError(
+                f"calibration file has {len(temps)} temperatures, need {k} "
+                "(speculative_config.confidence_calibration_path)"
+            )
+        sts = list(temps[:k])
+    return use_head, estimator, sts

@@ -20,12 +20,8 @@ from dspark.engine.input_batch import StepInputs, finalize
 from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.sampler import sample_step
-from dspark.spec.confidence import (
-    OnlineAcceptanceEstimator,
-    apply_sts,
-    features_from_draft_probs,
-    load_sts,
-)
+from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
+from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import Timer, trace_record
@@ -35,6 +31,13 @@ logger = logging.getLogger(__name__)
 
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 _PROBE_ROWS = 8  # ... for this many rows of the step
+
+
+def next_anchors(anchor_pos, out, num_out):
+    """Each row's next anchor (the token it emitted last) and that token's position."""
+    last = (num_out - 1).clamp(min=0)
+    anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
+    return anchors, anchor_pos + num_out
 
 
 class SpecDecoder:
@@ -52,7 +55,10 @@ class SpecDecoder:
         dummy = config.load_format == "dummy"
         self.drafter = DSparkDrafter.from_pretrained(sc.model, target, dtype, device, dummy)
         self.aux_layer_ids = tuple(dcfg.target_layer_ids)
-        slots = config.max_num_seqs
+        # one row per request slot, plus a scratch row that padding rows of whole-step CUDA
+        # graphs write to
+        self.scratch_slot = config.max_num_seqs
+        slots = config.max_num_seqs + 1
         self.draft_tokens = torch.zeros(slots, self.k, dtype=torch.int64, device=device)
         self.draft_probs = None
         if sc.draft_sample_method == "probabilistic":
@@ -68,34 +74,16 @@ class SpecDecoder:
         self.host_conf = torch.ones(slots, self.k, dtype=torch.float32)
         self._host_staging = torch.ones(slots, self.k, dtype=torch.float32, pin_memory=pin)
         self._conf_copy_done: torch.cuda.Event | None = None
-        # confidence source
-        has_head = dcfg.enable_confidence_head
-        source = sc.confidence_source
-        if source == "head" and not has_head:
-            raise ValueError(
-                "speculative_config.confidence_source is 'head' but the drafter has no "
-                "confidence head; use 'auto' or 'online'"
-            )
-        self.use_head = has_head and source in ("auto", "head")
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
             rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)
             self.synthetic_rates = rates.to(device)
             logger.warning("SYNTHETIC acceptance (benchmark mode, not lossless): rates %s",
                            rates.tolist())  # fmt: skip
-        self.estimator = None if self.use_head else OnlineAcceptanceEstimator(self.k, device)
-        self.sts = None
-        if sc.confidence_calibration_path:
-            temps, _ = load_sts(sc.confidence_calibration_path)
-            if len(temps) < self.k:
-                raise ValueError(
-                    f"calibration file has {len(temps)} temperatures, need {self.k} "
-                    "(speculative_config.confidence_calibration_path)"
-                )
-            self.sts = list(temps[: self.k])
+        self.use_head, self.estimator, self.sts = confidence_source(sc, dcfg, self.k, device)
         self._policy = sc.adaptive_policy
         self.cost = None
-        self._online_cost, self._cost_steps, self._table_fixed_ms = False, 0, 0.0
+        self._online_cost, self._table_fixed_ms = False, 0.0
         self.cost_status = "not needed by this policy"
         self.planner: Planner | None = None
         if not self.needs_cost_model:
@@ -113,7 +101,11 @@ class SpecDecoder:
         self._alloc_events: list[tuple] = []
         self._alloc_ms = 0.0
         self._no_drafts = False
-        self._plain_fixed_ms: float | None = None  # online: fixed cost of a step without drafts
+        self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
+        # whole-step graphs (set by the runner): steps that verify everything run as one graph
+        # replay; a trimmed step runs the slower eager path
+        self.graph_steps = False
+        self.ran_as_graph = False
 
     def capture_graphs(self, max_reqs: int, max_ctx_len: int, max_blocks: int) -> None:
         from dspark.spec.draft_graph import DraftGraphRunner
@@ -132,7 +124,7 @@ class SpecDecoder:
             and cost is not None
             and cost.provenance.get("source") == "profiled"
         )
-        self._cost_steps = 0
+        self.fixed_costs = FixedCosts()
         self.planner = Planner(
             self._policy,
             cost,
@@ -173,7 +165,10 @@ class SpecDecoder:
             self._survival = a * survival + (1 - a) * (
                 survival if self._survival is None else self._survival
             )
-            budget = self.planner.plan_cpu(stale, caps, other, n_sampling)
+            # one new token per row otherwise (no prefill chunk): verify-all can be a graph
+            graph_ok = self.graph_steps and bool((cols[:, 1] - caps == 1).all())
+            penalty = self.fixed_costs.trim_penalty_ms(self.cost) if graph_ok else 0.0
+            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty)
         self.last_budget = budget
         pays = self._drafting_pays(len(rows), other, n_sampling)
         # while skipping, draft once in a while anyway so the survival estimate stays fresh
@@ -195,7 +190,7 @@ class SpecDecoder:
         ):
             return True
         return drafting_pays(self.cost, self._survival[: self.k], num_reqs, other, num_sampling,
-                             self._plain_fixed_ms, self.sc.min_predicted_gain)  # fmt: skip
+                             self.fixed_costs.plain_ms, self.sc.min_predicted_gain)  # fmt: skip
 
     def _refresh_host_conf(self) -> None:
         # Use the last copy that has landed; never wait for the device.
@@ -205,6 +200,7 @@ class SpecDecoder:
 
     # -- allocate (device, live confidences) ----------------------------------------------------
     def choose_lengths(self, inp: StepInputs, budget: int | None) -> None:
+        self.ran_as_graph = False
         # host-known: no row verifies a draft this step
         self._no_drafts = inp.max_capacity == 0 or budget == 0
         if inp.max_capacity == 0 or self._policy == "fixed":
@@ -235,24 +231,23 @@ class SpecDecoder:
 
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
+        out, num_out = self._verify(logits, inp)
+        self._after_verify(inp, out, num_out)
+        return out, num_out
+
+    def _verify(self, logits: torch.Tensor, inp: StepInputs):
         slots = inp.slots
         if self._no_drafts and self.synthetic_rates is None:
             # nothing to verify (drafting skipped, or a zero budget): plain sampling draws the
             # same token as verification of zero drafts, with a fraction of its kernels
-            out, num_out = sample_step(logits, inp)
-            self._after_verify(inp, out, num_out)
-            return out, num_out
+            return sample_step(logits, inp)
         if self.synthetic_rates is not None:
-            out, num_out = verify_synthetic(
+            return verify_synthetic(
                 logits, inp.cu_num_logits, self.draft_tokens[slots], self.synthetic_rates,
                 inp.seeds, inp.anchor_pos, inp.rounds,
             )  # fmt: skip
-            self._after_verify(inp, out, num_out)
-            return out, num_out
         if inp.all_greedy:
-            out, num_out = verify_greedy(logits, inp.cu_num_logits, self.draft_tokens[slots])
-            self._after_verify(inp, out, num_out)
-            return out, num_out
+            return verify_greedy(logits, inp.cu_num_logits, self.draft_tokens[slots])
         vin = VerifyInputs(
             target_logits=logits,
             cu_num_logits=inp.cu_num_logits,
@@ -266,9 +261,7 @@ class SpecDecoder:
             anchor_positions=inp.anchor_pos,
             rounds=inp.rounds,
         )
-        out, num_out = verify(vin, self.sc.rejection_sample_method)
-        self._after_verify(inp, out, num_out)
-        return out, num_out
+        return verify(vin, self.sc.rejection_sample_method)
 
     def _after_verify(self, inp: StepInputs, out: torch.Tensor, num_out: torch.Tensor) -> None:
         slots = inp.slots
@@ -293,31 +286,37 @@ class SpecDecoder:
 
     # -- draft --------------------------------------------------------------------------------
     def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):
-        d = self.drafter
-        d.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches, self.backend)
+        self.drafter.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches,
+                                   self.backend)  # fmt: skip
         if not self.draft_enabled:
             return  # context still written: drafting can resume at any later step
         # a probe refreshes the survival estimate on a few rows, not the whole batch
         rows = slice(0, _PROBE_ROWS) if self.probing else slice(None)
-        out, num_out = out[rows], num_out[rows]
-        block_tables, temperature, seeds = inp.block_tables[rows], inp.temperature[rows], \
-            inp.seeds[rows]
-        rounds, slots = inp.rounds[rows] + 1, inp.slots[rows]
-        last = (num_out - 1).clamp(min=0)
-        anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
-        anchor_pos = inp.anchor_pos[rows] + num_out  # position of the token emitted last
+        anchors, anchor_pos = next_anchors(inp.anchor_pos[rows], out[rows], num_out[rows])
+        self.draft(anchors, anchor_pos, inp.block_tables[rows], inp.temperature[rows],
+                   inp.seeds[rows], inp.rounds[rows] + 1, inp.slots[rows],
+                   self.draft_method(inp.all_greedy), inp.max_seq_len + self.k + 1)  # fmt: skip
+        self._copy_conf_to_host()
+
+    def draft_method(self, all_greedy: bool) -> str:
         # All rows greedy: probabilistic drafts would be one-hot argmaxes that greedy
         # verification never reads, so skip sampling and the [R,K,V] distributions (a row's
         # temperature is fixed for life: these drafts are never verified by sampling).
-        method = "greedy" if inp.all_greedy else self.sc.draft_sample_method
+        return "greedy" if all_greedy else self.sc.draft_sample_method
+
+    def draft(self, anchors, anchor_pos, block_tables, temperature, seeds, rounds, slots,
+              method: str, max_ctx_len: int, use_graphs: bool = True) -> None:
+        """Draft the next round of the given rows into the per-request buffers (drafts,
+        distributions, confidences). Sync-free; with use_graphs=False it can itself be
+        captured (the whole-step graphs)."""
         draft = None
-        if self.draft_graphs is not None:
+        if use_graphs and self.draft_graphs is not None:
             draft = self.draft_graphs.run(anchors, anchor_pos, block_tables, temperature, seeds,
                                           rounds, method)  # fmt: skip
         if draft is None:
-            draft = d.propose(
-                anchors, anchor_pos, block_tables, inp.max_seq_len + self.k + 1, self.kv_caches,
-                self.backend, self.k, temperature, seeds, rounds, method,
+            draft = self.drafter.propose(
+                anchors, anchor_pos, block_tables, max_ctx_len, self.kv_caches, self.backend,
+                self.k, temperature, seeds, rounds, method,
             )  # fmt: skip
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None and draft.probs is not None:
@@ -334,7 +333,6 @@ class SpecDecoder:
             self.features[slots] = feats
             conf = self.estimator.predict(feats)
         self.conf[slots] = conf.float()
-        self._copy_conf_to_host()
 
     def drafts_row(self, i: int) -> bool:
         """Whether row i of the step just run has drafts for the next step."""
@@ -347,29 +345,20 @@ class SpecDecoder:
             self._conf_copy_done.record()
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
-        """Online correction of the fixed per-step term: the measured step time beyond the
-        table's forward (+ drafter) time is host work no trimming removes; left out, every
-        token looks too expensive and the planner over-trims. An EMA of the residual replaces
-        the table's fixed term (warm-up steps skipped)."""
+        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
         if not self._online_cost or num_reqs == 0:
-            return
-        self._cost_steps += 1
-        if self._cost_steps <= 3:
             return
         cost = self.cost
         variable = float(cost.verify_cost_ms(num_tokens))
         if self.draft_enabled:  # the drafter ran in this step
             variable += float(cost.draft_cost_ms(num_reqs))
-        residual = max(0.0, step_ms - variable)
         if not self.draft_enabled and self._no_drafts:
-            # a step without speculation: the baseline drafting must beat, learned apart (one
-            # shared term would make drafting look cheaper than it is, whichever mode dominates)
-            prev = self._plain_fixed_ms
-            self._plain_fixed_ms = residual if prev is None else 0.9 * prev + 0.1 * residual
-            return
-        cost.fixed_overhead_ms = 0.9 * cost.fixed_overhead_ms + 0.1 * residual
+            kind = "plain"
+        else:
+            kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
+        moved = self.fixed_costs.observe(cost, kind, max(0.0, step_ms - variable))
         # device tables of the early-stop policy embed the fixed term: rebuild on real change
-        if abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
+        if moved and abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
             self._table_fixed_ms = cost.fixed_overhead_ms
             if self.planner is not None:
                 self.planner.invalidate_tables()
@@ -392,7 +381,8 @@ class SpecDecoder:
             "trimmed": None if d is None else d.trimmed,
             "cost_table_status": self.cost_status,
             "fixed_overhead_ms": None if self.cost is None else self.cost.fixed_overhead_ms,
-            "plain_fixed_overhead_ms": self._plain_fixed_ms,
+            "plain_fixed_overhead_ms": self.fixed_costs.plain_ms,
+            "trim_penalty_ms": self.fixed_costs.trim_penalty_ms(self.cost),
             "confidence_source": "head" if self.use_head else "online",
             "drafting": self.draft_enabled,
         }

@@ -79,6 +79,7 @@ def plan_budget_lagged(
     min_predicted_gain: float = 0.04,
     allowed_budgets: np.ndarray | None = None,
     prior_conf: float = 1.0,
+    trim_penalty_ms: float = 0.0,
 ) -> BudgetDecision:
     """Total draft budget B from stale confidences (host, numpy, no device sync).
 
@@ -90,8 +91,9 @@ def plan_budget_lagged(
         sends its anchor token).
     Objective: global argmax over n in 0..sum(cap) (or `allowed_budgets`, e.g. budgets that fill
     captured CUDA graphs) of (num_sampling_reqs + cumsum(sorted survivals)[n]) /
-    step_time(R + num_other_tokens + n, R). Guard: unless the best trimmed budget beats
-    verify-all by more than `min_predicted_gain` (relative), verify all.
+    step_time(R + num_other_tokens + n, R), plus `trim_penalty_ms` for every n below verify-all
+    (a trimmed step cannot run as one whole-step graph). Guard: unless the best trimmed budget
+    beats verify-all by more than `min_predicted_gain` (relative), verify all.
     """
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
@@ -106,7 +108,10 @@ def plan_budget_lagged(
         if a.size > 1 and not bool((a[1:] > a[:-1]).all()):  # (budget_candidates' are sorted)
             a = np.unique(a)
         cand = np.append(a, total)
-    theta = yield_n[cand] / cost.step_time_lookup(num_reqs + num_other_tokens + cand, num_reqs)
+    times = cost.step_time_lookup(num_reqs + num_other_tokens + cand, num_reqs)
+    if trim_penalty_ms > 0:  # a trimmed step runs a slower path than verify-all
+        times = times + np.where(cand < total, trim_penalty_ms, 0.0)
+    theta = yield_n[cand] / times
     i = int(np.argmax(theta))
     best, theta_best, theta_full = int(cand[i]), float(theta[i]), float(theta[-1])
     if theta_full > 0:
@@ -260,7 +265,8 @@ class Planner:
         self._tables: dict[tuple, torch.Tensor] = {}
 
     def plan_cpu(self, stale_conf: np.ndarray | None, capacities: np.ndarray,
-                 num_other_tokens: int = 0, num_sampling_reqs: int | None = None) -> int | None:
+                 num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
+                 trim_penalty_ms: float = 0.0) -> int | None:
         if self.policy != "lagged":
             return None
         caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
@@ -270,7 +276,8 @@ class Planner:
         if self.snap_to_graphs and self.cost.graph_sizes:
             allowed = self.cost.budget_candidates(caps.size + num_other_tokens, int(caps.sum()))
         d = plan_budget_lagged(stale_conf, caps, num_other_tokens, num_sampling_reqs,
-                               self.cost, self.min_predicted_gain, allowed, self.prior_conf)
+                               self.cost, self.min_predicted_gain, allowed, self.prior_conf,
+                               trim_penalty_ms)  # fmt: skip
         self.last_decision = d
         return d.budget
 

@@ -72,3 +72,33 @@ def test_verify_graphs_with_adaptive_lengths_match_enforce_eager(ckpt_dir, tmp_p
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     st = graph.engine.spec_stats
     assert st.num_verified_tokens < st.num_drafted_tokens  # lengths really varied per row
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("policy", [None, "fixed", "lagged", "synthetic"])
+def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, temperature):
+    path = ckpt_dir("qwen3_gqa2")
+    spec = None
+    if policy is not None:
+        spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=4),
+                "num_speculative_tokens": 4, "draft_sample_method": "probabilistic",
+                "adaptive_policy": "fixed" if policy == "synthetic" else policy}  # fmt: skip
+        if policy == "synthetic":
+            spec.update(rejection_sample_method="synthetic",
+                        synthetic_acceptance_rates=[0.9, 0.8, 0.7, 0.6])  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12, 7)]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate((24, 9, 17, 30, 3, 12, 20))]  # fmt: skip
+    graph = CudaLLM(path, dtype="float32", speculative_config=spec)
+    a = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
+    sg = graph.engine.runner.step_graphs
+    assert sg is not None and len(sg.graphs) > 0 and sum(sg.steps.values()) > 10, sg.steps
+    graph.shutdown()
+    eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
+    assert eager.engine.runner.step_graphs is None
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    if policy == "lagged" and temperature > 0:
+        # plans follow measured step times, so the verified drafts (and samples) differ
+        assert [len(t) for t in a] == [len(t) for t in b]
+    else:
+        assert a == b

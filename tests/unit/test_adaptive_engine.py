@@ -214,9 +214,9 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     # the decision uses the plain term for plain decoding: with plain steps made expensive,
     # drafting pays; with them cheap, it does not
     verify_base = cost.verify_lookup(reqs)
-    spec._plain_fixed_ms = 1e3
+    spec.fixed_costs.plain_ms = 1e3
     assert spec._drafting_pays(reqs, 0, reqs)
-    spec._plain_fixed_ms = 0.0
+    spec.fixed_costs.plain_ms = 0.0
     cost.fixed_overhead_ms = 1e3 + verify_base
     assert not spec._drafting_pays(reqs, 0, reqs)
 
@@ -292,3 +292,35 @@ def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
     st = llm.engine.spec_stats
     assert llm.engine.runner.spec.metrics()["drafting"] is True
     assert st.num_accepted_tokens > 2 * st.num_steps  # long accepted runs, drafting kept on
+
+
+def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
+    """With whole-step graphs, speculative steps on the eager path (trimmed plans) pay more
+    host work than graph replays; that excess is learned apart and becomes the planner's
+    penalty for trimming. Without whole-step graphs (here, the CPU) nothing changes."""
+    from dspark.spec.online_cost import FixedCosts
+
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    cost = spec.cost
+    tokens, reqs = 8, 8
+
+    def feed(graph: bool, fixed_ms: float, n: int = 150) -> None:
+        spec.draft_enabled, spec._no_drafts, spec.ran_as_graph = True, False, graph
+        step = float(cost.verify_cost_ms(tokens)) + float(cost.draft_cost_ms(reqs)) + fixed_ms
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, reqs)
+
+    spec.graph_steps = False  # no graphs: every speculative step feeds the table's term
+    feed(False, 2.0)
+    assert cost.fixed_overhead_ms == pytest.approx(2.0, rel=1e-3)
+    assert spec.fixed_costs.eager_ms is None and spec.metrics()["trim_penalty_ms"] == 0.0
+    spec.fixed_costs = FixedCosts()
+    spec.graph_steps = True
+    feed(True, 1.0)
+    feed(False, 4.0)
+    assert cost.fixed_overhead_ms == pytest.approx(1.0, rel=1e-3)
+    assert spec.fixed_costs.eager_ms == pytest.approx(4.0, rel=1e-3)
+    assert spec.metrics()["trim_penalty_ms"] == pytest.approx(3.0, rel=1e-3)

@@ -288,3 +288,21 @@ def test_planner_warns_loudly_on_flat_table():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Planner("lagged", CostModel.from_measurements([1, 512], [30.0, 60.0]))
+
+
+def test_lagged_trim_penalty_is_paid_by_trimmed_budgets_only():
+    """A trimmed step runs the eager path (no whole-step graph): its measured extra fixed cost
+    is added to every budget below verify-all, so trimming must save more than that."""
+    cost = CostModel.from_measurements([1, 64], [10.0, 73.0])  # 9 ms + 1 ms per token
+    caps = np.array([4, 4])
+    conf = np.array([[0.9, 0.2, 0.2, 0.2], [0.9, 0.2, 0.2, 0.2]])
+    free = plan_budget_lagged(conf, caps, 0, 2, cost)
+    assert free.trimmed and free.budget == 2
+    # theta(2) = (2 + 1.8) / 13 = 0.292, theta(8) = (2 + 2 * 1.1232) / 19 = 0.224: a penalty
+    # of 2 ms keeps trimming ahead (3.8 / 15 = 0.253), one of 6 ms does not (3.8 / 19 = 0.2)
+    assert plan_budget_lagged(conf, caps, 0, 2, cost, trim_penalty_ms=2.0).budget == 2
+    slow = plan_budget_lagged(conf, caps, 0, 2, cost, trim_penalty_ms=6.0)
+    assert not slow.trimmed and slow.budget == 8
+    p = Planner("lagged", cost)
+    assert p.plan_cpu(conf, caps, 0, 2, trim_penalty_ms=6.0) == 8
+    assert p.plan_cpu(conf, caps, 0, 2) == 2

@@ -1,0 +1,331 @@
+"""Whole-step CUDA graphs: a decode or verify step as one replay plus one for the drafter.
+
+Small targets are bounded by the host: a speculative step used to issue ~200 eager kernels
+(input casts, graph-input copies, logits-row maps, verification, the drafter's context pass,
+scatters into the draft buffers), each costing the host far more than the GPU. Here the device
+half of a step whose shapes are fixed by its request bucket runs as two graphs:
+
+  A (request bucket R, family, sampling mode): inputs -> target forward -> logits -> verify or
+     sample -> packed outputs; writes the drafter's context and each row's next anchor.
+  B (request bucket R, draft method): the drafter's proposal into the per-request buffers.
+
+Between them the host starts the one device->host copy of A's outputs, so drafting overlaps
+the host's bookkeeping as in the eager step. The host writes a step into one pinned int64
+buffer laid out for the bucket (`layout`), sent with one copy; padding rows have zero length,
+sample nothing and write to the scratch draft row; padding tokens write to the sentinel slot.
+
+Families: "spec" (rows carry up to K draft slots, every slot verified: T = R(1+K) tokens) and
+"plain" (one token per row, no drafts: no-speculation engines and steps whose drafting was
+skipped). Steps with prefill chunks, trimmed verification (those run the eager path with the
+target-forward graphs), top-k/top-p/min-p, probes, traces or tensor parallelism run eagerly.
+Graphs are captured on first use: the step runs eagerly once (warm-up, same result), is
+captured and replayed; every op of a step is deterministic given its inputs, so re-running it
+over the same inputs writes the same KV, drafts and outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.attention.base import SENTINEL_SLOT
+from dspark.engine.input_batch import HostStep, StepInputs, finalize
+from dspark.forward_context import ForwardContext, forward_context
+from dspark.sampling.sampler import sample_step
+
+logger = logging.getLogger(__name__)
+
+# per-row int64 segments of the layout, in this order (HostStep.ints keeps the same order)
+ROW_FIELDS = ("samples", "caps", "nd", "start", "slots", "seeds", "rounds", "top_k")
+_PAD_FLOATS = np.array([1.0, 1.0, 0.0], dtype=np.float32)  # temperature, top_p, min_p
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one bucket's step in the flat int64 buffer. Per-row segments come first so
+    that graph B (rows only) reads the same offsets whatever A's token count."""
+
+    rows: int  # R (bucket)
+    tokens: int  # T (bucket)
+    blocks: int  # block-table width
+
+    @property
+    def floats(self) -> int:  # [3, R] float32 bits (temperature, top_p, min_p)
+        return 8 * self.rows
+
+    @property
+    def qsl(self) -> int:
+        return self.floats + 3 * self.rows
+
+    @property
+    def seq_lens(self) -> int:
+        return self.qsl + self.rows + 1
+
+    @property
+    def block_tables(self) -> int:
+        return self.seq_lens + self.rows
+
+    @property
+    def stream(self) -> int:  # [4, T]: input ids, positions, slot mapping, draft source
+        return self.block_tables + self.rows * self.blocks
+
+    @property
+    def size(self) -> int:
+        return self.stream + 4 * self.tokens
+
+
+def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k: int) -> None:
+    """Write `host` into buf[:lay.size] laid out (and padded) for bucket `lay`."""
+    r, t, b = host.get("num_reqs"), host.get("num_tokens"), host.get("max_blocks")
+    rb, tb = lay.rows, lay.tokens
+    ids, pos, slot_map, qsl, seq_lens, bt = np.split(host.ints[: 3 * t + 2 * r + 1 + r * b],
+                                                     np.cumsum([t, t, t, r + 1, r]))  # fmt: skip
+    rows = buf[: 8 * rb].reshape(8, rb)
+    rows[:, r:] = 0
+    rows[:, :r] = host.ints[3 * t + 2 * r + 1 + r * b :].reshape(8, r)
+    rows[ROW_FIELDS.index("slots"), r:] = scratch_slot
+    floats = np.empty((3, rb), dtype=np.float32)
+    floats[:, :r] = host.floats
+    floats[:, r:] = _PAD_FLOATS[:, None]
+    buf[lay.floats : lay.qsl] = floats.view(np.int32).reshape(-1)
+    buf[lay.qsl : lay.qsl + r + 1] = qsl
+    buf[lay.qsl + r + 1 : lay.seq_lens] = qsl[-1]  # zero-length padding rows
+    buf[lay.seq_lens : lay.seq_lens + r] = seq_lens
+    buf[lay.seq_lens + r : lay.block_tables] = 0
+    tables = buf[lay.block_tables : lay.stream].reshape(rb, lay.blocks)
+    tables[:] = 0
+    tables[:r, :b] = bt.reshape(r, b)
+    stream = buf[lay.stream : lay.size].reshape(4, tb)
+    stream[:3, t:] = 0
+    stream[2, t:] = SENTINEL_SLOT
+    stream[0, :t], stream[1, :t], stream[2, :t] = ids, pos, slot_map
+    stream[3] = -1  # draft source: row * K + slot in the draft buffer, -1 = not a draft
+    dst, src_row, src_k = host.draft_fill
+    stream[3, dst] = src_row * k + src_k
+
+
+class StepGraphs:
+    def __init__(self, runner, use_graphs: bool = True):
+        self.runner = runner
+        self.spec = runner.spec
+        self.k = self.spec.k if self.spec is not None else 0
+        self.use_graphs = use_graphs  # False: run the same code eagerly (CPU tests)
+        from dspark.spec.draft_graph import request_buckets
+
+        self.buckets = request_buckets(runner.config.max_num_seqs)
+        self.blocks = runner.max_blocks_per_seq
+        self.max_model_len = runner.max_model_len
+        biggest = Layout(self.buckets[-1], self.buckets[-1] * (1 + self.k), self.blocks)
+        dev = runner.device
+        pin = dev.type == "cuda"
+        self.host_buf = torch.zeros(biggest.size, dtype=torch.int64, pin_memory=pin)
+        self.dev_buf = torch.zeros(biggest.size, dtype=torch.int64, device=dev)
+        width = biggest.rows * (self.k + 3)  # [R, K+1] tokens, [R] emitted, [R] verified
+        self.host_out = torch.zeros(width, dtype=torch.int64, pin_memory=pin)
+        r = biggest.rows
+        self.anchors = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.anchor_pos = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, torch.Tensor] = {}
+        self.pool = None
+        self.steps: dict[tuple, int] = {}  # steps run per key (observability, tests)
+
+    # -- which steps qualify -------------------------------------------------------------------
+    def key_for(self, host: HostStep, budget: int | None) -> tuple | None:
+        """(family, rows bucket, sampling mode) of a step that a graph can run, else None."""
+        g = host.get
+        if (g("any_top_k") or g("any_top_p") or g("any_min_p") or g("num_reqs") == 0
+                or g("max_blocks") > self.blocks):  # fmt: skip
+            return None
+        rb = next((b for b in self.buckets if b >= g("num_reqs")), None)
+        if rb is None:
+            return None
+        mode = "greedy" if g("all_greedy") else "sample"
+        spec = self.spec
+        # traces sync every step; the online estimator's coefficients change between steps
+        if spec is not None and (spec.trace is not None or spec.estimator is not None):
+            return None
+        if g("max_capacity") == 0:
+            return ("plain", rb, mode) if g("max_query_len") == 1 else None
+        if g("max_query_len") > 1 + self.k:
+            return None
+        num_drafts = g("max_num_logits") - g("num_samples")
+        if budget is not None and budget < num_drafts:
+            return None  # trimmed verification: the eager path compacts the stream
+        return "spec", rb, mode
+
+    def proposes(self) -> bool:
+        """Whether this step drafts for every row (a probe drafts for a few: eager)."""
+        return self.spec is not None and self.spec.draft_enabled and not self.spec.probing
+
+    # -- the step ------------------------------------------------------------------------------
+    def run(self, host: HostStep, key: tuple) -> np.ndarray:
+        """Run one step; returns the host copy of its packed outputs in bucket layout (see
+        `unpack_outputs`)."""
+        family, rb, mode = key
+        self.steps[key] = self.steps.get(key, 0) + 1
+        lay = self._layout(key)
+        fill_host(host, lay, self.host_buf.numpy(), self._scratch(), self.k)
+        self.dev_buf[: lay.size].copy_(self.host_buf[: lay.size], non_blocking=True)
+        if self.spec is not None:
+            self.spec._no_drafts = family == "plain"
+            self.spec.ran_as_graph = True
+        packed = self._replay(key, lambda: self._step(key))
+        host_out = self.host_out[: rb * (self.width(family) + 2)]
+        host_out.copy_(packed, non_blocking=True)
+        done = None
+        if self.runner.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if self.proposes():
+            method = self.spec.draft_method(mode == "greedy")
+            self._replay(("draft", rb, method), lambda: self._draft(rb, method))
+            self.spec._copy_conf_to_host()
+        if done is not None:
+            done.synchronize()
+        return host_out.numpy()
+
+    def width(self, family: str) -> int:
+        """Tokens per row in the packed outputs: K+1 when verifying, else 1."""
+        return self.k + 1 if family == "spec" else 1
+
+    def _scratch(self) -> int:
+        return self.spec.scratch_slot if self.spec is not None else 0
+
+    def _layout(self, key: tuple) -> Layout:
+        family, rb, _ = key
+        return Layout(rb, rb * (1 + self.k) if family == "spec" else rb, self.blocks)
+
+    def _replay(self, key: tuple, fn):
+        if not self.use_graphs:
+            return fn()
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, fn)
+        graph.replay()
+        return self.outputs[key]
+
+    def _capture(self, key: tuple, fn) -> torch.cuda.CUDAGraph:
+        from dspark.engine.cuda_graph import capture_guard
+
+        with capture_guard():
+            fn()  # warm-up (compilation); the replay below recomputes the same values
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+            self.pool = self.pool or graph.pool()
+        self.graphs[key], self.outputs[key] = graph, out
+        logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
+        return graph
+
+    def capture_all(self) -> None:
+        """Capture every key a step can take, before serving (first-use capture would land in
+        the middle of traffic). Dummy steps: every row verifies K drafts (or decodes one
+        token) of an empty context in the reserved block 0, drafts go to the scratch row."""
+        families = ("plain",) if self.spec is None else ("plain", "spec")
+        methods = set() if self.spec is None else {self.spec.draft_method(True),
+                                                   self.spec.draft_method(False)}  # fmt: skip
+        for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
+            for family in families:
+                for mode in ("greedy", "sample"):
+                    key = (family, rb, mode)
+                    self._dummy_inputs(key)
+                    if self.spec is not None:
+                        self.spec._no_drafts = family == "plain"
+                    self._replay(key, lambda key=key: self._step(key))
+            for method in sorted(methods):
+                self._replay(("draft", rb, method), lambda rb=rb, m=method: self._draft(rb, m))
+        if self.use_graphs:
+            torch.cuda.synchronize()
+
+    def _dummy_inputs(self, key: tuple) -> None:
+        lay = self._layout(key)
+        r, t = lay.rows, lay.tokens
+        q = t // r  # tokens per row: 1 + K or 1
+        rows = self.dev_buf[: 8 * r].view(8, r)
+        rows.zero_()
+        rows[ROW_FIELDS.index("samples")] = 1
+        rows[ROW_FIELDS.index("caps")] = q - 1
+        rows[ROW_FIELDS.index("nd")] = 1
+        rows[ROW_FIELDS.index("slots")] = self._scratch()
+        temperature = 0.0 if key[2] == "greedy" else 1.0
+        floats = torch.tensor([temperature, 1.0, 0.0], dtype=torch.float32, device=rows.device)
+        self.dev_buf[lay.floats : lay.qsl].view(3, r)[:] = floats.view(torch.int32).long()[:, None]
+        self.dev_buf[lay.qsl : lay.seq_lens] = torch.arange(r + 1, device=rows.device) * q
+        self.dev_buf[lay.seq_lens : lay.block_tables] = q
+        self.dev_buf[lay.block_tables : lay.stream] = 0  # block 0: reserved for padding
+        ids, pos, slot_map, src = self.dev_buf[lay.stream : lay.size].view(4, t)
+        ids.zero_()
+        pos.copy_(torch.arange(t, device=rows.device) % q)
+        slot_map.fill_(SENTINEL_SLOT)  # nothing is written to the KV cache
+        src.fill_(-1)
+
+    # -- device code (captured) --------------------------------------------------------------
+    def _rows(self, lay: Layout) -> dict[str, torch.Tensor]:
+        buf, r = self.dev_buf, lay.rows
+        rows = dict(zip(ROW_FIELDS, buf[: 8 * r].view(8, r), strict=True))
+        floats = buf[lay.floats : lay.qsl].to(torch.int32).view(torch.float32).view(3, r)
+        rows["temperature"] = floats[0]
+        rows["block_tables"] = buf[lay.block_tables : lay.stream].view(r, lay.blocks).to(
+            torch.int32)  # fmt: skip
+        return rows
+
+    def _inputs(self, key: tuple) -> StepInputs:
+        family, rb, mode = key
+        lay = self._layout(key)
+        buf, t = self.dev_buf, lay.tokens
+        rows = self._rows(lay)
+        ids, pos, slot_map, src = buf[lay.stream : lay.size].view(4, t)
+        if self.spec is not None and family == "spec":
+            drafts = self.spec.draft_tokens.view(-1)[src.clamp(min=0)]
+            ids = torch.where(src >= 0, drafts, ids)
+        return StepInputs(
+            input_ids=ids, positions=pos, slot_mapping=slot_map,
+            query_start_loc=buf[lay.qsl : lay.seq_lens].to(torch.int32),
+            seq_lens=buf[lay.seq_lens : lay.block_tables].to(torch.int32),
+            block_tables=rows["block_tables"], samples=rows["samples"].bool(),
+            capacities=rows["caps"], num_non_draft=rows["nd"], start_pos=rows["start"],
+            slots=rows["slots"], seeds=rows["seeds"], rounds=rows["rounds"],
+            temperature=rows["temperature"], top_k=None, top_p=None, min_p=None,
+            num_reqs=rb, num_tokens=t, max_query_len=1 + self.k if family == "spec" else 1,
+            max_seq_len=self.max_model_len, num_samples=rb, all_greedy=mode == "greedy",
+            max_capacity=self.k if family == "spec" else 0, max_num_logits=t,
+        )  # fmt: skip
+
+    def _step(self, key: tuple) -> torch.Tensor:
+        rn, spec = self.runner, self.spec
+        inp = self._inputs(key)
+        finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
+        with forward_context(ForwardContext(inp.attn_metadata(), rn.backend, rn.kv_caches)):
+            hidden, aux = rn.model(inp.input_ids, inp.positions, rn.aux_layer_ids)
+        logits = rn.model.compute_logits(hidden[inp.logits_indices])
+        if spec is None:
+            out, num_out = sample_step(logits, inp)
+        else:
+            out, num_out = spec.verify(logits, inp)
+            spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
+                                       rn.backend)  # fmt: skip
+            from dspark.spec.decoder import next_anchors
+
+            anchors, anchor_pos = next_anchors(inp.anchor_pos, out, num_out)
+            self.anchors[: inp.num_reqs].copy_(anchors)
+            self.anchor_pos[: inp.num_reqs].copy_(anchor_pos)
+        return torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+
+    def _draft(self, rb: int, method: str) -> None:
+        rows = self._rows(Layout(rb, 0, self.blocks))
+        self.spec.draft(self.anchors[:rb], self.anchor_pos[:rb], rows["block_tables"],
+                        rows["temperature"], rows["seeds"], rows["rounds"] + 1, rows["slots"],
+                        method, self.max_model_len, use_graphs=False)  # fmt: skip
+
+
+def unpack_outputs(host: np.ndarray, num_reqs: int, rows: int, width: int):
+    """(tokens [R, width], emitted [R], verified [R]) of the real rows of a bucket layout."""
+    out = host[: rows * width].reshape(rows, width)[:num_reqs]
+    num_out = host[rows * width : rows * width + num_reqs]
+    lengths = host[rows * (width + 1) : rows * (width + 1) + num_reqs]
+    return out, num_out, lengths
