@@ -145,13 +145,15 @@ class StepGraphs:
             return None
         mode = "greedy" if g("all_greedy") else "sample"
         spec = self.spec
-        # traces sync every step; the online estimator's coefficients change between steps
-        if spec is not None and (spec.trace is not None or spec.estimator is not None):
+        # traces sync every step; the online estimator's coefficients change between steps; a
+        # probe drafts for its first rows only (eager: the graphs draft for all or none)
+        if spec is not None and (spec.trace is not None or spec.estimator is not None
+                                 or (spec.draft_enabled and spec.probing)):  # fmt: skip
             return None
         if g("max_capacity") == 0:
             return ("plain", rb, mode) if g("max_query_len") == 1 else None
-        if g("max_query_len") > 1 + self.k:
-            return None
+        if g("max_query_len") > 1 + self.k or spec.sc.adaptive_policy not in ("fixed", "lagged"):
+            return None  # threshold / early-stop choose lengths on the device: eager
         num_drafts = g("max_num_logits") - g("num_samples")
         if budget is not None and budget < num_drafts:
             return None  # trimmed verification: the eager path compacts the stream
@@ -189,8 +191,10 @@ class StepGraphs:
         return host_out.numpy()
 
     def width(self, family: str) -> int:
-        """Tokens per row in the packed outputs: K+1 when verifying, else 1."""
-        return self.k + 1 if family == "spec" else 1
+        """Tokens per row in the packed outputs: K+1 when verifying (synthetic acceptance
+        verifies even without drafts), else 1."""
+        synthetic = self.spec is not None and self.spec.synthetic_rates is not None
+        return self.k + 1 if family == "spec" or synthetic else 1
 
     def _scratch(self) -> int:
         return self.spec.scratch_slot if self.spec is not None else 0

@@ -356,7 +356,7 @@ class SpecDecoder:
             kind = "plain"
         else:
             kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
-        moved = self.fixed_costs.observe(cost, kind, max(0.0, step_ms - variable))
+        moved = self.fixed_costs.observe(cost, kind, step_ms - variable)
         # device tables of the early-stop policy embed the fixed term: rebuild on real change
         if moved and abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
             self._table_fixed_ms = cost.fixed_overhead_ms

@@ -11,6 +11,9 @@ time) feeds an exponential moving average, one per kind of step, because the kin
   eager  speculative steps on the eager path, when whole-step graphs exist: a trimmed plan
          pays its excess over `spec` (`trim_penalty_ms`).
 One shared term would make whichever kind is cheaper look dearer and the other cheaper.
+A residual may be negative: a table profiled on a slower path than the one serving (e.g. the
+drafter timed through per-call input copies, then run inside a whole-step graph) overstates a
+step, and the correction takes that back (step times stay floored at a positive minimum).
 """
 
 from __future__ import annotations

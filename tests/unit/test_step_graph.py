@@ -113,3 +113,37 @@ def test_fill_host_pads_rows_and_tokens(tiny_qwen, drafter):
     # draft slots read row * K + k of the draft buffer; other tokens are real ids
     assert src.tolist() == [-1, 0, 1, -1, -1, 10, 11] + [-1] * 5
     assert ids[0] == 6 and ids[3] == 9 and ids[4] == 2
+
+
+@pytest.mark.parametrize("table", ["costly_drafter", "costly_tokens"])
+def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, tmp_path,
+                                                             monkeypatch, table):  # fmt: skip
+    """A loaded cost table is never corrected online, so the lagged plans are the same in two
+    runs and sampled output can be compared exactly. costly_drafter: drafting is skipped, with
+    a probe (drafts for a few rows: the eager path) every 4 steps; costly_tokens: verification
+    is trimmed (eager path) in some steps and verifies everything (graph path) in others
+    (synthetic acceptance, so that drafting pays)."""
+    import dspark.spec.decoder as decoder_mod
+    from dspark.spec.cost_model import CostModel
+
+    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    kw = dict(weight_read_ms=1.0, ms_per_token=0.001, draft_base_ms=20.0, draft_ms_per_req=0.0)
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "draft_sample_method": "probabilistic"}  # fmt: skip
+    if table == "costly_tokens":  # drafts accepted often enough that drafting pays
+        kw = dict(weight_read_ms=1.0, ms_per_token=0.08, draft_base_ms=0.1, draft_ms_per_req=0.0)
+        spec.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[0.9, 0.6, 0.3, 0.1])  # fmt: skip
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, **kw).to_json(path)
+    spec["cost_table_path"] = path
+    ref, _, eager = _generate(tiny_qwen, spec, 1.0, step_graphs=False)
+    got, used, llm = _generate(tiny_qwen, spec, 1.0, step_graphs=True)
+    assert got == ref
+    assert llm.engine.spec_stats.num_verified_tokens == eager.engine.spec_stats.num_verified_tokens
+    if table == "costly_drafter":  # skipped rounds are plain steps: graphs
+        assert sum(used.values()) >= 5, used
+    else:
+        st = llm.engine.spec_stats
+        assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # trimmed: eager path too
+        assert any(key[0] == "spec" for key in used), used  # ... and verify-all steps
