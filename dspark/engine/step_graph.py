@@ -246,6 +246,14 @@ class StepGraphs:
         if self.use_graphs:
             torch.cuda.synchronize()
 
+    def draft_step(self, num_reqs: int):
+        """The drafter's part of a whole-step graph for `num_reqs` rows, as a callable (for
+        the cost profile: drafting costs what it costs in serving, not an eager pass)."""
+        rb = next(b for b in self.buckets if b >= num_reqs)
+        self._dummy_inputs(("spec", rb, "sample"))
+        method = self.spec.draft_method(False)
+        return lambda: self._replay(("draft", rb, method), lambda: self._draft(rb, method))
+
     def _dummy_inputs(self, key: tuple) -> None:
         lay = self._layout(key)
         r, t = lay.rows, lay.tokens

@@ -25,6 +25,7 @@ ALPHA = 0.1  # EMA weight of the newest residual
 class FixedCosts:
     def __init__(self) -> None:
         self.steps = 0
+        self.spec_seen = False
         self.plain_ms: float | None = None
         self.eager_ms: float | None = None
 
@@ -34,8 +35,10 @@ class FixedCosts:
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return False
-        if kind == "spec":
-            cost.fixed_overhead_ms = _ema(cost.fixed_overhead_ms, residual_ms)
+        if kind == "spec":  # the first measurement replaces the table's term outright
+            prev = cost.fixed_overhead_ms if self.spec_seen else None
+            cost.fixed_overhead_ms = _ema(prev, residual_ms)
+            self.spec_seen = True
             return True
         if kind == "plain":
             self.plain_ms = _ema(self.plain_ms, residual_ms)

@@ -2,7 +2,8 @@
 
 Times the target forward (+ LM head over every token, as a verify step computes logits for
 every verified position) against the number of tokens in a ragged batch, and the drafter
-(context write + one block proposal) against the number of requests. Dummy requests get a
+(context write + one block proposal; with whole-step CUDA graphs, the drafter's graph, as
+served) against the number of requests. Dummy requests get a
 synthetic context of `context_len` tokens. Medians of repeats, warm-up excluded; the table is
 made monotone by CostModel.
 """
@@ -95,6 +96,8 @@ def profile_cost_model(
 
 def _draft_step(runner, num_reqs: int, context_len: int):
     spec = runner.spec
+    if runner.step_graphs is not None:  # serving drafts inside whole-step graphs: time those
+        return runner.step_graphs.draft_step(num_reqs)
     n = num_reqs * (1 + spec.k)
     ids, md = _dummy_batch(runner, n, num_reqs, context_len)
     d = spec.drafter

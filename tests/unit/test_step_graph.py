@@ -147,3 +147,16 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
         st = llm.engine.spec_stats
         assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # trimmed: eager path too
         assert any(key[0] == "spec" for key in used), used  # ... and verify-all steps
+
+
+def test_draft_step_for_the_cost_profile_writes_only_the_scratch_row(tiny_qwen, drafter):
+    llm = LLM(tiny_qwen, device="cpu", block_size=4, max_num_seqs=8, num_kv_blocks=200,
+              speculative_config={"model": drafter, "num_speculative_tokens": 3})  # fmt: skip
+    runner = llm.engine.runner
+    spec = runner.spec
+    sg = StepGraphs(runner, use_graphs=False)
+    spec.draft_tokens.fill_(-5)
+    step = sg.draft_step(3)  # bucket 4: four dummy rows, all in the scratch row
+    step()
+    assert (spec.draft_tokens[: spec.scratch_slot] == -5).all()
+    assert (spec.draft_tokens[spec.scratch_slot] >= 0).all()
