@@ -119,7 +119,11 @@ def offline_checks(args) -> dict:
     names = list(tokens)
     identical = None if args.synthetic_rates else all(tokens[n] == tokens[names[0]]
                                                       for n in names[1:])
-    return {"identical_at_t0": identical, "num_prompts": len(prompts), "overhead": overhead}
+    # per arm: prompts whose tokens differ from the first arm's (to tell a bug from a tie)
+    mismatches = {n: sum(a != b for a, b in zip(tokens[n], tokens[names[0]], strict=True))
+                  for n in names[1:]}  # fmt: skip
+    return {"identical_at_t0": identical, "num_prompts": len(prompts), "overhead": overhead,
+            "mismatching_prompts": mismatches}  # fmt: skip
 
 
 def main() -> int:
@@ -204,7 +208,8 @@ def print_table(args, temps, results, checks, label) -> None:
         print("T=0 identity: not checked (synthetic acceptance is not lossless by design)")
     else:
         print(f"T=0 identical tokens across arms: {checks['identical_at_t0']} "
-              f"({checks['num_prompts']} prompts)")
+              f"({checks['num_prompts']} prompts; differing prompts vs the first arm: "
+              f"{checks.get('mismatching_prompts')})")
     if o:
         print(f"scheduler overhead: plan {o['plan_ms']:.1f} ms + alloc {o['alloc_ms']:.1f} ms "
               f"= {o['fraction']:.2%} of step time")

@@ -69,6 +69,8 @@ def apply_sts(logits, temperatures: Sequence[float]):
     if len(temperatures) < k:
         raise ValueError(f"{len(temperatures)} STS temperatures for {k} slots")
     if isinstance(logits, torch.Tensor):
+        if isinstance(temperatures, torch.Tensor):  # already on the device (graph capture)
+            return torch.sigmoid(logits / temperatures[:k].to(logits.dtype))
         t = torch.as_tensor(list(temperatures)[:k], dtype=logits.dtype, device=logits.device)
         return torch.sigmoid(logits / t)
     t = np.asarray(temperatures, dtype=np.float64)[:k]
@@ -285,5 +287,6 @@ def confidence_source(sc, drafter_cfg, k: int, device):
                 f"calibration file has {len(temps)} temperatures, need {k} "
                 "(speculative_config.confidence_calibration_path)"
             )
-        sts = list(temps[:k])
+        # a device tensor: drafting runs inside CUDA graphs (no host->device copy there)
+        sts = torch.tensor(list(temps[:k]), dtype=torch.float32, device=device)
     return use_head, estimator, sts

