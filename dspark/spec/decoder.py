@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 _PROBE_ROWS = 8  # ... for this many rows of the step
+_DECIDE_EVERY = 8  # steps between drafting decisions (sooner when the batch size moves)
 
 
 def next_anchors(anchor_pos, out, num_out):
@@ -95,6 +96,7 @@ class SpecDecoder:
         self.probing = False
         self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
         self._skipped = 0  # consecutive steps that skipped drafting
+        self._pays, self._since_decision, self._decided_reqs = True, 0, 0
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -155,27 +157,38 @@ class SpecDecoder:
         caps = cols[:, 0]
         other = int(cols[:, 1].sum() - caps.sum()) - len(rows)
         n_sampling = int(np.count_nonzero(cols[:, 2]))
+        # the drafting decision moves slowly: take it every few steps, or at once when the
+        # batch size changed by a quarter
+        self._since_decision += 1
+        n = len(rows)
+        decide = (self._since_decision >= _DECIDE_EVERY or abs(n - self._decided_reqs) * 4 > n
+                  or self._survival is None)  # no estimate yet: decide again once there is
         budget = 0
         if caps.any():
             self._refresh_host_conf()
             stale = self.host_conf.numpy()[cols[:, 3]]
-            has = caps > 0
-            survival = np.cumprod(np.nan_to_num(stale[has], nan=1.0), axis=1).mean(axis=0)
-            a = 0.2 if self._survival is not None else 1.0
-            self._survival = a * survival + (1 - a) * (
-                survival if self._survival is None else self._survival
-            )
+            self._update_survival(stale[caps > 0])
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
             graph_ok = self.graph_steps and bool((cols[:, 1] - caps == 1).all())
             penalty = self.fixed_costs.trim_penalty_ms(self.cost) if graph_ok else 0.0
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty)
         self.last_budget = budget
-        pays = self._drafting_pays(len(rows), other, n_sampling)
+        if decide:
+            self._pays = self._drafting_pays(n, other, n_sampling)
+            self._since_decision, self._decided_reqs = 0, n
         # while skipping, draft once in a while anyway so the survival estimate stays fresh
-        self._skipped = 0 if pays else self._skipped + 1
-        self.draft_enabled = pays or self._skipped % _PROBE_EVERY == 0
-        self.probing = not pays  # a probe drafts for a few rows only (see drafts_row)
+        self._skipped = 0 if self._pays else self._skipped + 1
+        self.draft_enabled = self._pays or self._skipped % _PROBE_EVERY == 0
+        self.probing = not self._pays  # a probe drafts for a few rows only (see drafts_row)
         return budget
+
+    def _update_survival(self, stale: np.ndarray) -> None:
+        """EMA of the mean prefix survival per position over the rows with drafts."""
+        if np.isnan(stale).any():
+            stale = np.nan_to_num(stale, nan=1.0)
+        survival = np.cumprod(stale, axis=1).mean(axis=0)
+        prev = self._survival
+        self._survival = survival if prev is None else 0.2 * survival + 0.8 * prev
 
     def _drafting_pays(self, num_reqs: int, other: int, num_sampling: int) -> bool:
         """Draft after this step only if some verify length beats plain decoding once the

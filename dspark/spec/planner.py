@@ -272,6 +272,11 @@ class Planner:
         caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
+        total = int(caps.sum())
+        if self._trimming_cannot_pay(caps.size, num_other_tokens, total, trim_penalty_ms):
+            self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
+                                                False)  # fmt: skip
+            return total
         allowed = None
         if self.snap_to_graphs and self.cost.graph_sizes:
             allowed = self.cost.budget_candidates(caps.size + num_other_tokens, int(caps.sum()))
@@ -280,6 +285,16 @@ class Planner:
                                trim_penalty_ms)  # fmt: skip
         self.last_decision = d
         return d.budget
+
+    def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,
+                             penalty_ms: float) -> bool:
+        """A cheap exact bound (the common case at low load, where verification is nearly
+        free): every trimmed budget n yields at most verify-all's tokens in at least the
+        step time of n = 0 (+ the trim penalty), so theta(n) / theta(all) <= T(all) /
+        (T(0) + penalty); when that is within the guard, no budget can be trimmed."""
+        t0, t_all = self.cost.step_time_lookup(
+            np.array([num_reqs + other, num_reqs + other + total]), num_reqs)  # fmt: skip
+        return t_all <= (t0 + penalty_ms) * (1.0 + self.min_predicted_gain)
 
     def invalidate_tables(self) -> None:
         """Drop cached device step-time tables (after the cost model changed)."""
