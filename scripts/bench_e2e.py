@@ -78,6 +78,7 @@ def sweep(args, url, arm, temp) -> dict:
            "--sweep", args.sweep, "--num-prompts", str(args.num_prompts), "--ignore-eos",
            "--prompts-per-concurrency", str(args.prompts_per_concurrency),
            "--temperature", str(temp), "--seed", "0", "--warmup", str(args.warmup),
+           "--warmup-tokens-per-level", str(args.warmup_tokens_per_level),
            "--percentiles", "50,99", "--save-result", out, "--label", arm, "--disable-tqdm",
            "--dataset", args.dataset, "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--output-len", str(args.output_len)]
@@ -143,6 +144,8 @@ def main() -> int:
     a("--prompts-per-concurrency", type=float, default=2.0,
       help="a level of concurrency C measures max(--num-prompts, F*C) requests")
     a("--warmup", type=int, default=16)
+    a("--warmup-tokens-per-level", type=int, default=16,
+      help="per level, its first `concurrency` requests cut to this many tokens, unmeasured")
     a("--temperatures", default="0,1")
     a("--max-num-seqs", type=int, default=256)
     a("--max-num-batched-tokens", type=int, default=8192)

@@ -82,6 +82,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     a("--seed", type=int, default=0, help="dataset seed; request i is sent seed + i")
     a("--warmup", type=int, default=0, help="unmeasured warm-up requests before the first level")
+    a("--warmup-tokens-per-level", type=int, default=0, metavar="N",
+      help="before each level, run its first `concurrency` requests cut to N output tokens, "
+           "unmeasured (default 0: off)")
     a("--percentiles", type=_percentiles, default=(50.0, 95.0, 99.0), help="default 50,95,99")
     a("--save-result", default=None, metavar="FILE.json")
     a("--plot", default=None, metavar="FILE.png", help="default for sweeps: next to the JSON")
@@ -210,7 +213,8 @@ def build_result_doc(args: argparse.Namespace, model: str | None, levels: list,
     keys = ("base_url", "endpoint", "dataset", "dataset_path", "num_prompts",
             "prompts_per_concurrency", "random_input_len", "random_output_len",
             "random_prompt_type", "tokenizer", "output_len", "request_rate", "ignore_eos",
-            "temperature", "seed", "warmup", "percentiles", "label", "extra_body")
+            "temperature", "seed", "warmup", "warmup_tokens_per_level", "percentiles", "label",
+            "extra_body")
     config = {k: getattr(args, k, None) for k in keys}
     config.update(model=model, max_concurrency=levels)
     return _finite({"schema_version": SCHEMA_VERSION, "tool": "dspark bench serve",
@@ -260,8 +264,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from dspark.bench.serve import BenchConfig, run_sweep
 
     problem = None
-    if args.num_prompts < 1 or args.warmup < 0 or not args.prompts_per_concurrency >= 0:
-        problem = "--num-prompts must be >= 1, --warmup and --prompts-per-concurrency >= 0"
+    if (args.num_prompts < 1 or args.warmup < 0 or args.warmup_tokens_per_level < 0
+            or not args.prompts_per_concurrency >= 0):  # fmt: skip
+        problem = ("--num-prompts must be >= 1, --warmup, --warmup-tokens-per-level and "
+                   "--prompts-per-concurrency >= 0")
     elif len(args.random_token_id_range) != 2:
         problem = "--random-token-id-range takes two integers LO,HI"
     elif args.random_prompt_type == "token-ids" and args.endpoint != "/v1/completions":
@@ -283,7 +289,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                       api_key=api_key, request_rate=args.request_rate,
                       ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed,
                       extra_body=args.extra_body, percentiles=args.percentiles,
-                      timeout_s=args.timeout, disable_tqdm=args.disable_tqdm)
+                      timeout_s=args.timeout, disable_tqdm=args.disable_tqdm,
+                      warmup_tokens_per_level=args.warmup_tokens_per_level)
     results: list[dict] = []
 
     def report(m: dict) -> None:

@@ -12,6 +12,7 @@ sends it, else from the number of text chunks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -51,6 +52,9 @@ class BenchConfig:
     percentiles: tuple[float, ...] = (50.0, 95.0, 99.0)
     timeout_s: float = 6 * 3600.0
     disable_tqdm: bool = False
+    # before each level, its own first `concurrency` requests cut to this many output tokens,
+    # unmeasured (0: off): batch shapes first seen at a level compile or capture outside it
+    warmup_tokens_per_level: int = 0
 
     @property
     def root_url(self) -> str:
@@ -354,6 +358,11 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             await run_level(session, cfg, warmup, min(len(warmup), warm_conc), "warmup")
         for idx, level in enumerate(levels):
             samples = samples_for_level(idx)
+            if cfg.warmup_tokens_per_level > 0:
+                n = cfg.warmup_tokens_per_level
+                warm = [dataclasses.replace(s, max_tokens=min(s.max_tokens, n))
+                        for s in samples[: level or len(samples)]]  # fmt: skip
+                await run_level(session, cfg, warm, level, f"warm-up {level or 'inf'}")
             before = await fetch_spec_counters(session, cfg)
             outputs, duration = await run_level(session, cfg, samples, level,
                                                 f"concurrency {level or 'inf'}")

@@ -187,12 +187,17 @@ class CostModel:
         online."""
         n = np.asarray(num_tokens, dtype=np.int64)
         verify = self._verify_table(int(n.max()) + 1 if n.size else 1)
+        draft = self.draft_lookup(num_reqs)
+        return np.maximum(self.fixed_overhead_ms + (draft + verify[n]), _MIN_STEP_MS)
+
+    def draft_lookup(self, num_reqs: int) -> float:
+        """`draft_cost_ms` of one request count, cached."""
         draft = self._draft_by_reqs.get(num_reqs)
         if draft is None:
             if len(self._draft_by_reqs) > 1024:
                 self._draft_by_reqs.clear()
-            draft = self._draft_by_reqs[num_reqs] = self.draft_cost_ms(num_reqs)
-        return np.maximum(self.fixed_overhead_ms + (draft + verify[n]), _MIN_STEP_MS)
+            draft = self._draft_by_reqs[num_reqs] = float(self.draft_cost_ms(num_reqs))
+        return draft
 
     def verify_lookup(self, num_tokens: int) -> float:
         """`verify_cost_ms` of one integer token count, from the same dense table."""

@@ -362,9 +362,9 @@ class SpecDecoder:
         if not self._online_cost or num_reqs == 0:
             return
         cost = self.cost
-        variable = float(cost.verify_cost_ms(num_tokens))
+        variable = cost.verify_lookup(num_tokens)  # dense tables: this runs every step
         if self.draft_enabled:  # the drafter ran in this step
-            variable += float(cost.draft_cost_ms(num_reqs))
+            variable += cost.draft_lookup(num_reqs)
         if not self.draft_enabled and self._no_drafts:
             kind = "plain"
         else:

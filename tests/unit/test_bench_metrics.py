@@ -454,3 +454,19 @@ def test_unreachable_server_never_crashes(tmp_path, capsys):
     assert r["errors"] and "Connect" in r["errors"][0]
     rc, cap = _run(capsys, "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", 1)
     assert rc == 2 and "--model" in cap.err
+
+
+def test_warmup_per_level_runs_each_levels_requests_short_and_unmeasured(fake_server, tmp_path,
+                                                                        capsys):  # fmt: skip
+    srv = fake_server()
+    result = tmp_path / "arm.json"
+    rc, cap = _run(capsys, "--base-url", srv.url + "/v1", "--sweep", "1,4", "--num-prompts", 8,
+                   "--random-input-len", 16, "--random-output-len", 9, "--ignore-eos",
+                   "--warmup-tokens-per-level", 3, "--save-result", result)
+    assert rc == 0, cap.err
+    # per level: `concurrency` warm-up requests (3 tokens) then the 8 measured ones (9 tokens)
+    assert [b["max_tokens"] for b in srv.bodies] == [3] + [9] * 8 + [3] * 4 + [9] * 8
+    assert [b["prompt"] for b in srv.bodies[9:13]] == [b["prompt"] for b in srv.bodies[13:17]]
+    doc = json.loads(result.read_text())
+    assert doc["config"]["warmup_tokens_per_level"] == 3
+    assert [r["total_output_tokens"] for r in doc["results"]] == [72, 72]  # warm-up not counted
