@@ -26,7 +26,8 @@ from dspark.attention.base import AttentionBackend
 from dspark.config import EngineConfig
 from dspark.engine.input_batch import HostStep, finalize, pack_step, upload_step
 from dspark.engine.scheduler import SchedulerOutput
-from dspark.engine.step_graph import StepGraphs, unpack_outputs
+from dspark.engine.step_graph import CaptureFailed, StepGraphs
+from dspark.engine.step_layout import unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.layers.parallel import SINGLE, tensor_parallel
 from dspark.layers.rotary import rope_inv_freq
@@ -169,8 +170,8 @@ class ModelRunner:
                 try:
                     self.step_graphs = StepGraphs(self)
                     self.step_graphs.capture_all()
-                    if self.spec is not None:
-                        self.spec.graph_steps = True
+                    if self.spec is not None:  # trimmed lagged steps are graphs too
+                        self.spec.graph_steps = self.spec.graph_trims = True
                 except Exception:  # the per-phase graphs above still serve
                     logger.exception("whole-step CUDA graph capture failed: not using them")
                     self.step_graphs = None
@@ -259,9 +260,13 @@ class ModelRunner:
         host = pack_step(rows, block_tables, self.block_size)
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
         if key is not None:  # the whole device half as (at most) two graph replays
-            out = self.step_graphs.run(host, key)
-            width = self.step_graphs.width(key[0])
-            return self._unpack(out, len(rows), key[1], width, rows, host.get("num_tokens"))
+            try:
+                out = self.step_graphs.run(host, key, plan)
+            except CaptureFailed:
+                pass  # logged; the step runs on the per-phase path below
+            else:
+                width = self.step_graphs.width(key[0])
+                return self._unpack(out, len(rows), key[1], width, rows, host.get("num_tokens"))
         if self.world is None:
             result = self.run_step(host, plan)
         else:

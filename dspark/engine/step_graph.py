@@ -11,100 +11,43 @@ half of a step whose shapes are fixed by its request bucket runs as two graphs:
 
 Between them the host starts the one device->host copy of A's outputs, so drafting overlaps
 the host's bookkeeping as in the eager step. The host writes a step into one pinned int64
-buffer laid out for the bucket (`layout`), sent with one copy; padding rows have zero length,
-sample nothing and write to the scratch draft row; padding tokens write to the sentinel slot.
+buffer laid out for the bucket (step_layout.py), sent with one copy; padding rows have zero
+length, sample nothing and write to the scratch draft row; padding tokens write to the
+sentinel slot.
 
-Families: "spec" (rows carry up to K draft slots, every slot verified: T = R(1+K) tokens) and
-"plain" (one token per row, no drafts: no-speculation engines and steps whose drafting was
-skipped). Steps with prefill chunks, trimmed verification (those run the eager path with the
-target-forward graphs), top-k/top-p/min-p, probes, traces or tensor parallelism run eagerly.
-Graphs are captured on first use: the step runs eagerly once (warm-up, same result), is
-captured and replayed; every op of a step is deterministic given its inputs, so re-running it
-over the same inputs writes the same KV, drafts and outputs.
+Families of A: "spec" (rows carry up to K draft slots, every slot verified: T = R(1+K)
+tokens), "trim" (the lagged plan's budget B: the graph allocates the global top-B over the
+current survivals and compacts the stream to a token bucket >= R + B, the bucket being part
+of the key) and "plain" (one token per row, no drafts: no-speculation engines and steps whose
+drafting was skipped). Steps with prefill chunks, top-k/top-p/min-p, probes, traces, the
+threshold / early-stop policies or tensor parallelism run the per-phase path (target-forward
+and drafter graphs, eager glue).
+
+"spec" and "plain" graphs are captured before serving (`capture_all`, dummy steps); "trim"
+graphs on first use: the step runs eagerly once (warm-up, same result), is captured and
+replayed. Every op of a step is deterministic given its inputs, so re-running it over the same
+inputs writes the same KV, drafts and outputs. A failed capture marks its key: those steps
+take the per-phase path.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.input_batch import HostStep, StepInputs, finalize
+from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.sampling.sampler import sample_step
+from dspark.spec.planner import allocate_top_b
 
 logger = logging.getLogger(__name__)
 
-# per-row int64 segments of the layout, in this order (HostStep.ints keeps the same order)
-ROW_FIELDS = ("samples", "caps", "nd", "start", "slots", "seeds", "rounds", "top_k")
-_PAD_FLOATS = np.array([1.0, 1.0, 0.0], dtype=np.float32)  # temperature, top_p, min_p
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Offsets of one bucket's step in the flat int64 buffer. Per-row segments come first so
-    that graph B (rows only) reads the same offsets whatever A's token count."""
-
-    rows: int  # R (bucket)
-    tokens: int  # T (bucket)
-    blocks: int  # block-table width
-
-    @property
-    def floats(self) -> int:  # [3, R] float32 bits (temperature, top_p, min_p)
-        return 8 * self.rows
-
-    @property
-    def qsl(self) -> int:
-        return self.floats + 3 * self.rows
-
-    @property
-    def seq_lens(self) -> int:
-        return self.qsl + self.rows + 1
-
-    @property
-    def block_tables(self) -> int:
-        return self.seq_lens + self.rows
-
-    @property
-    def stream(self) -> int:  # [4, T]: input ids, positions, slot mapping, draft source
-        return self.block_tables + self.rows * self.blocks
-
-    @property
-    def size(self) -> int:
-        return self.stream + 4 * self.tokens
-
-
-def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k: int) -> None:
-    """Write `host` into buf[:lay.size] laid out (and padded) for bucket `lay`."""
-    r, t, b = host.get("num_reqs"), host.get("num_tokens"), host.get("max_blocks")
-    rb, tb = lay.rows, lay.tokens
-    ids, pos, slot_map, qsl, seq_lens, bt = np.split(host.ints[: 3 * t + 2 * r + 1 + r * b],
-                                                     np.cumsum([t, t, t, r + 1, r]))  # fmt: skip
-    rows = buf[: 8 * rb].reshape(8, rb)
-    rows[:, r:] = 0
-    rows[:, :r] = host.ints[3 * t + 2 * r + 1 + r * b :].reshape(8, r)
-    rows[ROW_FIELDS.index("slots"), r:] = scratch_slot
-    floats = np.empty((3, rb), dtype=np.float32)
-    floats[:, :r] = host.floats
-    floats[:, r:] = _PAD_FLOATS[:, None]
-    buf[lay.floats : lay.qsl] = floats.view(np.int32).reshape(-1)
-    buf[lay.qsl : lay.qsl + r + 1] = qsl
-    buf[lay.qsl + r + 1 : lay.seq_lens] = qsl[-1]  # zero-length padding rows
-    buf[lay.seq_lens : lay.seq_lens + r] = seq_lens
-    buf[lay.seq_lens + r : lay.block_tables] = 0
-    tables = buf[lay.block_tables : lay.stream].reshape(rb, lay.blocks)
-    tables[:] = 0
-    tables[:r, :b] = bt.reshape(r, b)
-    stream = buf[lay.stream : lay.size].reshape(4, tb)
-    stream[:3, t:] = 0
-    stream[2, t:] = SENTINEL_SLOT
-    stream[0, :t], stream[1, :t], stream[2, :t] = ids, pos, slot_map
-    stream[3] = -1  # draft source: row * K + slot in the draft buffer, -1 = not a draft
-    dst, src_row, src_k = host.draft_fill
-    stream[3, dst] = src_row * k + src_k
+class CaptureFailed(RuntimeError):
+    """A whole-step graph could not be captured (the key is not tried again)."""
 
 
 class StepGraphs:
@@ -132,6 +75,11 @@ class StepGraphs:
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
         self.steps: dict[tuple, int] = {}  # steps run per key (observability, tests)
+        self.failed: set[tuple] = set()  # keys whose capture failed: per-phase path
+        # trimmed steps are compacted to the per-phase forward's token buckets (the cost table
+        # prices those), capped by the full stream of their request bucket
+        graphs = runner.graphs
+        self.token_buckets = list(graphs.buckets) if graphs is not None else []
 
     # -- which steps qualify -------------------------------------------------------------------
     def key_for(self, host: HostStep, budget: int | None) -> tuple | None:
@@ -155,22 +103,28 @@ class StepGraphs:
         if g("max_query_len") > 1 + self.k or spec.sc.adaptive_policy not in ("fixed", "lagged"):
             return None  # threshold / early-stop choose lengths on the device: eager
         num_drafts = g("max_num_logits") - g("num_samples")
-        if budget is not None and budget < num_drafts:
-            return None  # trimmed verification: the eager path compacts the stream
-        return "spec", rb, mode
+        if budget is None or budget >= num_drafts:
+            return "spec", rb, mode
+        # trimmed: the graph allocates the budget and compacts the stream to a token bucket
+        full = rb * (1 + self.k)
+        exact = g("num_tokens") - num_drafts + budget
+        tb = min(next((b for b in self.token_buckets if b >= exact), full), full)
+        key = ("trim", rb, mode, tb)
+        return None if key in self.failed else key
 
     def proposes(self) -> bool:
         """Whether this step drafts for every row (a probe drafts for a few: eager)."""
         return self.spec is not None and self.spec.draft_enabled and not self.spec.probing
 
     # -- the step ------------------------------------------------------------------------------
-    def run(self, host: HostStep, key: tuple) -> np.ndarray:
+    def run(self, host: HostStep, key: tuple, budget: int | None = None) -> np.ndarray:
         """Run one step; returns the host copy of its packed outputs in bucket layout (see
-        `unpack_outputs`)."""
-        family, rb, mode = key
+        `unpack_outputs`). Raises CaptureFailed when a graph first used here cannot be
+        captured (the caller runs the step on the per-phase path; nothing was committed)."""
+        family, rb, mode = key[:3]
         self.steps[key] = self.steps.get(key, 0) + 1
         lay = self._layout(key)
-        fill_host(host, lay, self.host_buf.numpy(), self._scratch(), self.k)
+        fill_host(host, lay, self.host_buf.numpy(), self._scratch(), self.k, budget)
         self.dev_buf[: lay.size].copy_(self.host_buf[: lay.size], non_blocking=True)
         if self.spec is not None:
             self.spec._no_drafts = family == "plain"
@@ -194,14 +148,14 @@ class StepGraphs:
         """Tokens per row in the packed outputs: K+1 when verifying (synthetic acceptance
         verifies even without drafts), else 1."""
         synthetic = self.spec is not None and self.spec.synthetic_rates is not None
-        return self.k + 1 if family == "spec" or synthetic else 1
+        return self.k + 1 if family != "plain" or synthetic else 1
 
     def _scratch(self) -> int:
         return self.spec.scratch_slot if self.spec is not None else 0
 
     def _layout(self, key: tuple) -> Layout:
-        family, rb, _ = key
-        return Layout(rb, rb * (1 + self.k) if family == "spec" else rb, self.blocks)
+        family, rb = key[:2]  # a trimmed step is laid out with every draft slot
+        return Layout(rb, rb if family == "plain" else rb * (1 + self.k), self.blocks)
 
     def _replay(self, key: tuple, fn):
         if not self.use_graphs:
@@ -215,13 +169,18 @@ class StepGraphs:
     def _capture(self, key: tuple, fn) -> torch.cuda.CUDAGraph:
         from dspark.engine.cuda_graph import capture_guard
 
-        with capture_guard():
-            fn()  # warm-up (compilation); the replay below recomputes the same values
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = fn()
-            self.pool = self.pool or graph.pool()
+        try:
+            with capture_guard():
+                fn()  # warm-up (compilation); the replay below recomputes the same values
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    out = fn()
+                self.pool = self.pool or graph.pool()
+        except Exception as e:
+            self.failed.add(key)
+            logger.exception("whole-step CUDA graph %s: capture failed, per-phase path", key)
+            raise CaptureFailed(key) from e
         self.graphs[key], self.outputs[key] = graph, out
         logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
         return graph
@@ -270,7 +229,7 @@ class StepGraphs:
         self.dev_buf[lay.qsl : lay.seq_lens] = torch.arange(r + 1, device=rows.device) * q
         self.dev_buf[lay.seq_lens : lay.block_tables] = q
         self.dev_buf[lay.block_tables : lay.stream] = 0  # block 0: reserved for padding
-        ids, pos, slot_map, src = self.dev_buf[lay.stream : lay.size].view(4, t)
+        ids, pos, slot_map, src = self.dev_buf[lay.stream : lay.budget].view(4, t)
         ids.zero_()
         pos.copy_(torch.arange(t, device=rows.device) % q)
         slot_map.fill_(SENTINEL_SLOT)  # nothing is written to the KV cache
@@ -287,12 +246,13 @@ class StepGraphs:
         return rows
 
     def _inputs(self, key: tuple) -> StepInputs:
-        family, rb, mode = key
+        family, rb, mode = key[:3]
+        spec_rows = family != "plain"  # rows carry draft slots
         lay = self._layout(key)
         buf, t = self.dev_buf, lay.tokens
         rows = self._rows(lay)
-        ids, pos, slot_map, src = buf[lay.stream : lay.size].view(4, t)
-        if self.spec is not None and family == "spec":
+        ids, pos, slot_map, src = buf[lay.stream : lay.budget].view(4, t)
+        if self.spec is not None and spec_rows:
             drafts = self.spec.draft_tokens.view(-1)[src.clamp(min=0)]
             ids = torch.where(src >= 0, drafts, ids)
         return StepInputs(
@@ -303,15 +263,21 @@ class StepGraphs:
             capacities=rows["caps"], num_non_draft=rows["nd"], start_pos=rows["start"],
             slots=rows["slots"], seeds=rows["seeds"], rounds=rows["rounds"],
             temperature=rows["temperature"], top_k=None, top_p=None, min_p=None,
-            num_reqs=rb, num_tokens=t, max_query_len=1 + self.k if family == "spec" else 1,
+            num_reqs=rb, num_tokens=t, max_query_len=1 + self.k if spec_rows else 1,
             max_seq_len=self.max_model_len, num_samples=rb, all_greedy=mode == "greedy",
-            max_capacity=self.k if family == "spec" else 0, max_num_logits=t,
+            max_capacity=self.k if spec_rows else 0, max_num_logits=t,
         )  # fmt: skip
 
     def _step(self, key: tuple) -> torch.Tensor:
         rn, spec = self.runner, self.spec
         inp = self._inputs(key)
-        finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
+        if key[0] == "trim":  # the lagged policy's global top-B over current survivals
+            caps = inp.capacities * inp.samples.long()
+            budget = self.dev_buf[self._layout(key).budget]
+            lengths = allocate_top_b(spec.conf[inp.slots], caps, budget)
+            finalize(inp, lengths, key[3], key[3])  # compacted to the bucket's tokens
+        else:
+            finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
         with forward_context(ForwardContext(inp.attn_metadata(), rn.backend, rn.kv_caches)):
             hidden, aux = rn.model(inp.input_ids, inp.positions, rn.aux_layer_ids)
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
@@ -333,11 +299,3 @@ class StepGraphs:
         self.spec.draft(self.anchors[:rb], self.anchor_pos[:rb], rows["block_tables"],
                         rows["temperature"], rows["seeds"], rows["rounds"] + 1, rows["slots"],
                         method, self.max_model_len, use_graphs=False)  # fmt: skip
-
-
-def unpack_outputs(host: np.ndarray, num_reqs: int, rows: int, width: int):
-    """(tokens [R, width], emitted [R], verified [R]) of the real rows of a bucket layout."""
-    out = host[: rows * width].reshape(rows, width)[:num_reqs]
-    num_out = host[rows * width : rows * width + num_reqs]
-    lengths = host[rows * (width + 1) : rows * (width + 1) + num_reqs]
-    return out, num_out, lengths

@@ -106,7 +106,7 @@ class SpecDecoder:
         self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
         # whole-step graphs (set by the runner): steps that verify everything run as one graph
         # replay; a trimmed step runs the slower eager path
-        self.graph_steps = False
+        self.graph_steps = self.graph_trims = False
         self.ran_as_graph = False
 
     def capture_graphs(self, max_reqs: int, max_ctx_len: int, max_blocks: int) -> None:
@@ -169,8 +169,10 @@ class SpecDecoder:
             stale = self.host_conf.numpy()[cols[:, 3]]
             self._update_survival(stale[caps > 0])
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
+            # (and with trimmed graphs, so can a trimmed plan: no penalty)
             graph_ok = self.graph_steps and bool((cols[:, 1] - caps == 1).all())
-            penalty = self.fixed_costs.trim_penalty_ms(self.cost) if graph_ok else 0.0
+            eager_trim = graph_ok and not self.graph_trims
+            penalty = self.fixed_costs.trim_penalty_ms(self.cost) if eager_trim else 0.0
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty)
         self.last_budget = budget
         if decide:

@@ -107,3 +107,33 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
         assert [len(t) for t in a] == [len(t) for t in b]
     else:
         assert a == b
+
+
+def test_trimmed_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path):
+    """Lagged plans that trim (a loaded table with costly tokens, never corrected online, so
+    both engines plan alike): allocation and compaction run inside graphs captured on first
+    use; tokens equal the eager engine's."""
+    from dspark.spec.cost_model import CostModel
+
+    path = ckpt_dir("qwen3_gqa2")
+    table = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(table)  # fmt: skip
+    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=5),
+            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": table,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    graph = CudaLLM(path, dtype="float32", speculative_config=spec)
+    a = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
+    sg = graph.engine.runner.step_graphs
+    trims = [key for key in sg.steps if key[0] == "trim"]
+    assert trims and all(key in sg.graphs for key in trims) and not sg.failed, sg.steps
+    st = graph.engine.spec_stats
+    assert 0 < st.num_verified_tokens < st.num_drafted_tokens
+    graph.shutdown()
+    eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert a == b
+    assert eager.engine.spec_stats.num_verified_tokens == st.num_verified_tokens

@@ -7,8 +7,10 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.attention.base import SENTINEL_SLOT
+from dspark.engine.cuda_graph import default_buckets
 from dspark.engine.input_batch import pack_step
-from dspark.engine.step_graph import Layout, StepGraphs, fill_host
+from dspark.engine.step_graph import StepGraphs
+from dspark.engine.step_layout import Layout, fill_host
 from dspark.testing.drafters import make_tiny_drafter
 
 # 5 requests of different lengths: the batch shrinks through buckets 8 -> 4 -> 2 -> 1
@@ -27,6 +29,8 @@ def _generate(target, spec, temperature, step_graphs: bool, capture_all: bool = 
     runner = llm.engine.runner
     if step_graphs:
         runner.step_graphs = StepGraphs(runner, use_graphs=False)
+        # the CPU has no per-phase graphs: give trimmed steps the GPU's token buckets
+        runner.step_graphs.token_buckets = default_buckets(64)
         if capture_all:  # the dummy steps run before serving must leave no trace
             runner.step_graphs.capture_all()
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=11 + i)
@@ -98,6 +102,7 @@ def test_fill_host_pads_rows_and_tokens(tiny_qwen, drafter):
     buf = np.full(lay.size + 5, 777, dtype=np.int64)
     fill_host(host, lay, buf, scratch_slot=8, k=2)
     assert (buf[lay.size :] == 777).all()  # nothing written past the layout
+    assert buf[lay.budget] == -1  # no draft budget: every slot verified
     rows8 = buf[:32].reshape(8, 4)
     assert rows8[4].tolist() == [0, 3, 5, 8]  # request slots, padding -> scratch row
     assert rows8[1].tolist() == [2, 0, 2, 0]  # draft capacities
@@ -107,7 +112,7 @@ def test_fill_host_pads_rows_and_tokens(tiny_qwen, drafter):
     assert buf[lay.seq_lens : lay.block_tables].tolist() == [9, 10, 5, 0]
     tbl = buf[lay.block_tables : lay.stream].reshape(4, sg.blocks)
     assert tbl[:3, :3].tolist() == tables.tolist() and not tbl[3].any() and not tbl[:, 3:].any()
-    ids, pos, slots, src = buf[lay.stream : lay.size].reshape(4, 12)
+    ids, pos, slots, src = buf[lay.stream : lay.budget].reshape(4, 12)
     assert pos[:7].tolist() == [6, 7, 8, 9, 2, 3, 4] and not pos[7:].any()
     assert (slots[7:] == SENTINEL_SLOT).all() and (slots[:7] != SENTINEL_SLOT).all()
     # draft slots read row * K + k of the draft buffer; other tokens are real ids
@@ -145,8 +150,12 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
         assert sum(used.values()) >= 5, used
     else:
         st = llm.engine.spec_stats
-        assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # trimmed: eager path too
-        assert any(key[0] == "spec" for key in used), used  # ... and verify-all steps
+        assert 0 < st.num_verified_tokens < st.num_drafted_tokens
+        # trimmed steps allocate and compact inside the step, to token buckets below the
+        # full stream; verify-all steps too
+        trims = [key for key in used if key[0] == "trim"]
+        assert any(key[3] < key[1] * 5 for key in trims), used
+        assert any(key[0] == "spec" for key in used), used
 
 
 def test_draft_step_for_the_cost_profile_writes_only_the_scratch_row(tiny_qwen, drafter):

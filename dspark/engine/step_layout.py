@@ -1,0 +1,99 @@
+"""The host layout of a whole-step CUDA graph's inputs and outputs (see step_graph.py).
+
+One flat int64 buffer per request bucket R and token count T: per-row segments first, so the
+drafter's graph (rows only) reads the same offsets whatever T, then the token stream. The host
+fills it from a HostStep (`fill_host`), padding rows with zero length, the scratch draft row
+and neutral sampling parameters, padding tokens with the sentinel KV slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.attention.base import SENTINEL_SLOT
+from dspark.engine.input_batch import HostStep
+
+# per-row int64 segments of the layout, in this order (HostStep.ints keeps the same order)
+ROW_FIELDS = ("samples", "caps", "nd", "start", "slots", "seeds", "rounds", "top_k")
+_PAD_FLOATS = np.array([1.0, 1.0, 0.0], dtype=np.float32)  # temperature, top_p, min_p
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one bucket's step in the flat int64 buffer. Per-row segments come first so
+    that graph B (rows only) reads the same offsets whatever A's token count."""
+
+    rows: int  # R (bucket)
+    tokens: int  # T (bucket)
+    blocks: int  # block-table width
+
+    @property
+    def floats(self) -> int:  # [3, R] float32 bits (temperature, top_p, min_p)
+        return 8 * self.rows
+
+    @property
+    def qsl(self) -> int:
+        return self.floats + 3 * self.rows
+
+    @property
+    def seq_lens(self) -> int:
+        return self.qsl + self.rows + 1
+
+    @property
+    def block_tables(self) -> int:
+        return self.seq_lens + self.rows
+
+    @property
+    def stream(self) -> int:  # [4, T]: input ids, positions, slot mapping, draft source
+        return self.block_tables + self.rows * self.blocks
+
+    @property
+    def budget(self) -> int:  # one slot: the lagged plan's draft budget (-1: none)
+        return self.stream + 4 * self.tokens
+
+    @property
+    def size(self) -> int:
+        return self.budget + 1
+
+
+def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k: int,
+              budget: int | None = None) -> None:
+    """Write `host` (and the draft budget) into buf[:lay.size], laid out and padded for the
+    bucket `lay`."""
+    r, t, b = host.get("num_reqs"), host.get("num_tokens"), host.get("max_blocks")
+    rb, tb = lay.rows, lay.tokens
+    ids, pos, slot_map, qsl, seq_lens, bt = np.split(host.ints[: 3 * t + 2 * r + 1 + r * b],
+                                                     np.cumsum([t, t, t, r + 1, r]))  # fmt: skip
+    rows = buf[: 8 * rb].reshape(8, rb)
+    rows[:, r:] = 0
+    rows[:, :r] = host.ints[3 * t + 2 * r + 1 + r * b :].reshape(8, r)
+    rows[ROW_FIELDS.index("slots"), r:] = scratch_slot
+    floats = np.empty((3, rb), dtype=np.float32)
+    floats[:, :r] = host.floats
+    floats[:, r:] = _PAD_FLOATS[:, None]
+    buf[lay.floats : lay.qsl] = floats.view(np.int32).reshape(-1)
+    buf[lay.qsl : lay.qsl + r + 1] = qsl
+    buf[lay.qsl + r + 1 : lay.seq_lens] = qsl[-1]  # zero-length padding rows
+    buf[lay.seq_lens : lay.seq_lens + r] = seq_lens
+    buf[lay.seq_lens + r : lay.block_tables] = 0
+    tables = buf[lay.block_tables : lay.stream].reshape(rb, lay.blocks)
+    tables[:] = 0
+    tables[:r, :b] = bt.reshape(r, b)
+    stream = buf[lay.stream : lay.budget].reshape(4, tb)
+    stream[:3, t:] = 0
+    stream[2, t:] = SENTINEL_SLOT
+    stream[0, :t], stream[1, :t], stream[2, :t] = ids, pos, slot_map
+    stream[3] = -1  # draft source: row * K + slot in the draft buffer, -1 = not a draft
+    dst, src_row, src_k = host.draft_fill
+    stream[3, dst] = src_row * k + src_k
+    buf[lay.budget] = -1 if budget is None else budget
+
+
+def unpack_outputs(host: np.ndarray, num_reqs: int, rows: int, width: int):
+    """(tokens [R, width], emitted [R], verified [R]) of the real rows of a bucket layout."""
+    out = host[: rows * width].reshape(rows, width)[:num_reqs]
+    num_out = host[rows * width : rows * width + num_reqs]
+    lengths = host[rows * (width + 1) : rows * (width + 1) + num_reqs]
+    return out, num_out, lengths
