@@ -169,3 +169,35 @@ def test_draft_step_for_the_cost_profile_writes_only_the_scratch_row(tiny_qwen, 
     step()
     assert (spec.draft_tokens[: spec.scratch_slot] == -5).all()
     assert (spec.draft_tokens[spec.scratch_slot] >= 0).all()
+
+
+@pytest.mark.parametrize("policy", [None, "fixed", "lagged"])
+def test_padded_steps_under_preemption_prefix_hits_and_chunked_prefill(tiny_qwen, drafter,
+                                                                      policy):  # fmt: skip
+    """The scenarios of test_spec_identity (a tiny KV cache forcing preemption, a shared
+    prefix, chunked prefill under a small token budget) with the padded whole-step path on:
+    greedy output equals plain decoding's."""
+    shared = list(range(40, 72))
+    prompts = [shared + [1, 2], [5, 6, 7], list(range(100, 141)), shared + [9], [3] * 11]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    args = dict(device="cpu", block_size=4, max_num_batched_tokens=24, num_kv_blocks=30,
+                max_num_seqs=8)  # fmt: skip
+
+    def run(spec, step_graphs):
+        llm = LLM(tiny_qwen, speculative_config=spec, **args)
+        runner = llm.engine.runner
+        if step_graphs:
+            runner.step_graphs = StepGraphs(runner, use_graphs=False)
+            runner.step_graphs.token_buckets = default_buckets(64)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.engine.block_manager.check_integrity()
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    ref, _ = run(None, False)
+    spec = None
+    if policy is not None:
+        spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": policy}
+    got, llm = run(spec, True)
+    assert got == ref
+    assert llm.engine.stats["preemptions"] > 0
+    assert sum(llm.engine.runner.step_graphs.steps.values()) > 5
