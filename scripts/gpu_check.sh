@@ -11,6 +11,7 @@
 #           demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
 #           machine is warm, for the e2e stage
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
+#   demo_e2e  the same sweep on the bundled demo pair (c = 1..256 without 32)  -> $OUT/demo_e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
 # "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels fits a 10-minute call).
@@ -25,7 +26,7 @@ STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }  # exact stage names, comma-separated
-if (has e2e || has synth) && [[ -d .whl ]] &&
+if (has e2e || has synth || has demo_e2e) && [[ -d .whl ]] &&
    ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
 then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
@@ -57,6 +58,10 @@ if has step8b; then
     --profile-tokens 16 --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
     --out "$OUT/step8b" 2>&1 | tee "$OUT/step8b.log" | tail -30
 fi
+if has train && [[ ! -f $HE ]]; then  # fail before 5 minutes of training, not after
+  echo "train: $HE missing: run scripts/fetch_device_wheels.sh here and carry .whl" >&2
+  exit 2
+fi
 if has train; then
   python3 scripts/train_pair.py --work out/pair --humaneval-path $HE --bundle "$OUT/demo" \
     ${TRAIN_ARGS---no-demo --target-max-time-s 140 --drafter-max-time-s 75 --calib-prompts 32 \
@@ -74,6 +79,13 @@ if has e2e; then
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
     --out /tmp/e2e ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/e2e.log" | tail -30
   pack e2e
+fi
+if has demo_e2e; then  # the same sweep on the bundled demo pair (no training needed)
+  timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target dspark/assets/demo/target \
+    --drafter dspark/assets/demo/drafter --sts dspark/assets/demo/drafter/sts.json \
+    --dataset humaneval --dataset-path $HE --sweep "${DEMO_SWEEP:-1,4,16,64,128,256}" \
+    --out /tmp/demo_e2e ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/demo_e2e.log" | tail -30
+  pack demo_e2e
 fi
 if has synth; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes
