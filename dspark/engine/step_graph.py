@@ -33,6 +33,7 @@ take the per-phase path.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -76,6 +77,7 @@ class StepGraphs:
         self.pool = None
         self.steps: dict[tuple, int] = {}  # steps run per key (observability, tests)
         self.failed: set[tuple] = set()  # keys whose capture failed: per-phase path
+        self.alloc_ms: dict[int, float] = {}  # request bucket -> allocation device time
         # trimmed steps are compacted to the per-phase forward's token buckets (the cost table
         # prices those), capped by the full stream of their request bucket
         graphs = runner.graphs
@@ -130,6 +132,8 @@ class StepGraphs:
             self.spec._no_drafts = family == "plain"
             self.spec.ran_as_graph = True
         packed = self._replay(key, lambda: self._step(key))
+        if family == "trim":  # scheduler overhead: the allocation's share of the replay
+            self.spec.count_allocation_ms(self.allocation_ms(key))
         host_out = self.host_out[: rb * (self.width(family) + 2)]
         host_out.copy_(packed, non_blocking=True)
         done = None
@@ -271,11 +275,8 @@ class StepGraphs:
     def _step(self, key: tuple) -> torch.Tensor:
         rn, spec = self.runner, self.spec
         inp = self._inputs(key)
-        if key[0] == "trim":  # the lagged policy's global top-B over current survivals
-            caps = inp.capacities * inp.samples.long()
-            budget = self.dev_buf[self._layout(key).budget]
-            lengths = allocate_top_b(spec.conf[inp.slots], caps, budget)
-            finalize(inp, lengths, key[3], key[3])  # compacted to the bucket's tokens
+        if key[0] == "trim":
+            finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
         with forward_context(ForwardContext(inp.attn_metadata(), rn.backend, rn.kv_caches)):
@@ -293,6 +294,35 @@ class StepGraphs:
             self.anchors[: inp.num_reqs].copy_(anchors)
             self.anchor_pos[: inp.num_reqs].copy_(anchor_pos)
         return torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+
+    def _allocate(self, key: tuple) -> torch.Tensor:
+        """The lagged policy's global top-B over the current survivals of a trimmed step."""
+        rows = self._rows(self._layout(key))
+        caps = rows["caps"] * rows["samples"].bool().long()
+        budget = self.dev_buf[self._layout(key).budget]
+        return allocate_top_b(self.spec.conf[rows["slots"]], caps, budget)
+
+    def allocation_ms(self, key: tuple) -> float:
+        """Device time of a trimmed step's allocation, which runs inside its graph where it
+        cannot be timed apart: a graph of the allocation alone is timed once per request
+        bucket (mean of 10 replays over the step's inputs) and charged to every such step."""
+        rb = key[1]
+        if rb not in self.alloc_ms:
+            if self.use_graphs:
+                self._replay(("alloc", rb), lambda: self._allocate(key))
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)  # fmt: skip
+                start.record()
+                for _ in range(10):
+                    self.graphs["alloc", rb].replay()
+                end.record()
+                end.synchronize()
+                self.alloc_ms[rb] = start.elapsed_time(end) / 10
+            else:
+                t0 = time.perf_counter()
+                self._allocate(key)
+                self.alloc_ms[rb] = (time.perf_counter() - t0) * 1e3
+        return self.alloc_ms[rb]
 
     def _draft(self, rb: int, method: str) -> None:
         rows = self._rows(Layout(rb, 0, self.blocks))

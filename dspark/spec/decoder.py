@@ -378,6 +378,10 @@ class SpecDecoder:
             if self.planner is not None:
                 self.planner.invalidate_tables()
 
+    def count_allocation_ms(self, ms: float) -> None:
+        """Allocation time measured elsewhere (inside a whole-step graph)."""
+        self._alloc_ms += ms
+
     def scheduler_overhead_ms(self) -> tuple[float, float]:
         """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
         for them, so call this from reports, not from the step."""

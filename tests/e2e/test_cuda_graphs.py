@@ -130,6 +130,7 @@ def test_trimmed_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path):
     sg = graph.engine.runner.step_graphs
     trims = [key for key in sg.steps if key[0] == "trim"]
     assert trims and all(key in sg.graphs for key in trims) and not sg.failed, sg.steps
+    assert sg.alloc_ms and all(0 < ms < 50 for ms in sg.alloc_ms.values()), sg.alloc_ms
     st = graph.engine.spec_stats
     assert 0 < st.num_verified_tokens < st.num_drafted_tokens
     graph.shutdown()
