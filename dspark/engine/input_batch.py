@@ -106,6 +106,12 @@ class HostStep:
     def int_sizes(self) -> list[int]:
         return _int_sizes(self.meta)
 
+    def per_row(self) -> np.ndarray:
+        """[8, R] int64 views: samples, capacities, non-draft tokens, start position, request
+        slot, seed, round, top_k (the tail of `ints`)."""
+        r = self.get("num_reqs")
+        return self.ints[len(self.ints) - 8 * r :].reshape(8, r)
+
     def payload(self) -> np.ndarray:  # one int64 array (floats travel as their bits)
         bits = self.floats.view(np.int32).astype(np.int64).reshape(-1)
         return np.concatenate([self.ints, bits, self.draft_fill.reshape(-1)])

@@ -1,6 +1,6 @@
 """LLMEngine: requests in, tokens out, one step at a time.
 
-    step():  schedule -> plan -> runner.execute (allocate, forward, verify, draft) -> commit
+    step():  schedule -> runner.execute (pack, plan, allocate, forward, verify, draft) -> commit
 
 The engine owns the CPU side (tokenizer, scheduler, block manager, request state) and the
 model runner owns the device side.
@@ -181,9 +181,8 @@ class LLMEngine:
         for row in sched.rows:
             if row.req.slot < 0:
                 row.req.slot = self._free_slots.pop()
-        plan = self.runner.spec.plan(sched.rows) if self.runner.spec is not None else None
         tables = self.block_tables.rows([r.req for r in sched.rows])
-        result = self.runner.execute(sched, tables, plan)
+        result = self.runner.execute(sched, tables)
         self.stats["steps"] += 1
         outputs = self._commit(sched, result)
         if self.runner.spec is not None:  # the whole step, host work included, is the cost

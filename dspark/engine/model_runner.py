@@ -255,9 +255,11 @@ class ModelRunner:
         return num
 
     # -- the step ---------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray, plan) -> StepResult:
+    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray) -> StepResult:
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
+        # the lagged policy's budget, from the packed rows and stale confidences (host only)
+        plan = self.spec.plan(host) if self.spec is not None else None
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
         if key is not None:  # the whole device half as (at most) two graph replays
             try:

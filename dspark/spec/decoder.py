@@ -140,37 +140,35 @@ class SpecDecoder:
         return self._policy in ("lagged", "early_stop")
 
     # -- plan (host, stale confidences) --------------------------------------------------------
-    def plan(self, rows) -> int | None:
-        """The lagged policy's total draft budget, from stale host confidences (no sync)."""
+    def plan(self, host) -> int | None:
+        """The lagged policy's total draft budget for a packed step (HostStep), from stale
+        host confidences (no sync)."""
         if self._policy != "lagged":
             return None
         t0 = time.perf_counter()
         try:
-            return self._plan(rows)
+            return self._plan(host.per_row())
         finally:
             self.plan_ms += (time.perf_counter() - t0) * 1e3
 
-    def _plan(self, rows) -> int:
-        # one pass over the rows: (draft slots, new tokens, samples, request slot)
-        cols = np.array([(r.num_draft_slots, r.num_new_tokens, r.samples, r.req.slot)
-                         for r in rows], dtype=np.int64).reshape(-1, 4)  # fmt: skip
-        caps = cols[:, 0]
-        other = int(cols[:, 1].sum() - caps.sum()) - len(rows)
-        n_sampling = int(np.count_nonzero(cols[:, 2]))
+    def _plan(self, rows: np.ndarray) -> int:
+        samples, caps, non_draft, slots = rows[0], rows[1], rows[2], rows[4]
+        n = caps.size
+        other = int(non_draft.sum()) - n  # non-draft tokens beyond one per row
+        n_sampling = int(np.count_nonzero(samples))
         # the drafting decision moves slowly: take it every few steps, or at once when the
         # batch size changed by a quarter
         self._since_decision += 1
-        n = len(rows)
         decide = (self._since_decision >= _DECIDE_EVERY or abs(n - self._decided_reqs) * 4 > n
                   or self._survival is None)  # no estimate yet: decide again once there is
         budget = 0
         if caps.any():
             self._refresh_host_conf()
-            stale = self.host_conf.numpy()[cols[:, 3]]
+            stale = self.host_conf.numpy()[slots]
             self._update_survival(stale[caps > 0])
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
             # (and with trimmed graphs, so can a trimmed plan: no penalty)
-            graph_ok = self.graph_steps and bool((cols[:, 1] - caps == 1).all())
+            graph_ok = self.graph_steps and other == 0
             eager_trim = graph_ok and not self.graph_trims
             penalty = self.fixed_costs.trim_penalty_ms(self.cost) if eager_trim else 0.0
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty)
@@ -188,7 +186,7 @@ class SpecDecoder:
         """EMA of the mean prefix survival per position over the rows with drafts."""
         if np.isnan(stale).any():
             stale = np.nan_to_num(stale, nan=1.0)
-        survival = np.cumprod(stale, axis=1).mean(axis=0)
+        survival = np.cumprod(stale, axis=1).sum(axis=0) / stale.shape[0]
         prev = self._survival
         self._survival = survival if prev is None else 0.2 * survival + 0.8 * prev
 

@@ -118,9 +118,9 @@ def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter)
     widest = []
     execute = runner.execute
 
-    def spy(sched, tables, plan):
+    def spy(sched, tables):
         widest.append(max(len(t) for t in tables))
-        return execute(sched, tables, plan)
+        return execute(sched, tables)
 
     runner.execute = spy
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
