@@ -132,14 +132,17 @@ class StepGraphs:
             self.spec._no_drafts = family == "plain"
             self.spec.ran_as_graph = True
         packed = self._replay(key, lambda: self._step(key))
-        if family == "trim":  # scheduler overhead: the allocation's share of the replay
-            self.spec.count_allocation_ms(self.allocation_ms(key))
         host_out = self.host_out[: rb * (self.width(family) + 2)]
         host_out.copy_(packed, non_blocking=True)
         done = None
         if self.runner.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
+        # Graphs share one memory pool: a graph replayed after A may reuse memory holding A's
+        # outputs, so every later replay (allocation timing, drafter) comes after the copy
+        # of A's outputs in stream order.
+        if family == "trim":  # scheduler overhead: the allocation's share of the replay
+            self.spec.count_allocation_ms(self.allocation_ms(key))
         if self.proposes():
             method = self.spec.draft_method(mode == "greedy")
             self._replay(("draft", rb, method), lambda: self._draft(rb, method))
@@ -307,9 +310,14 @@ class StepGraphs:
         cannot be timed apart: a graph of the allocation alone is timed once per request
         bucket (mean of 10 replays over the step's inputs) and charged to every such step."""
         rb = key[1]
+        if rb not in self.alloc_ms and self.use_graphs:
+            try:
+                self._replay(("alloc", rb), lambda: self._allocate(key))
+            except CaptureFailed:  # the step itself already ran: count nothing, once
+                logger.warning("allocation time of request bucket %d not measured", rb)
+                self.alloc_ms[rb] = 0.0
         if rb not in self.alloc_ms:
             if self.use_graphs:
-                self._replay(("alloc", rb), lambda: self._allocate(key))
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)  # fmt: skip
                 start.record()
