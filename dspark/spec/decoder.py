@@ -105,7 +105,8 @@ class SpecDecoder:
         self._no_drafts = False
         self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
         # whole-step graphs (set by the runner): steps that verify everything run as one graph
-        # replay; a trimmed step runs the slower eager path
+        # replay (graph_steps), and so do trimmed lagged plans (graph_trims); otherwise a
+        # trimmed plan pays the per-phase path's learned extra cost
         self.graph_steps = self.graph_trims = False
         self.ran_as_graph = False
 
