@@ -44,6 +44,7 @@ from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
+from dspark.spec.verify import next_anchors
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +292,6 @@ class StepGraphs:
             out, num_out = spec.verify(logits, inp)
             spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
                                        rn.backend)  # fmt: skip
-            from dspark.spec.decoder import next_anchors
-
             anchors, anchor_pos = next_anchors(inp.anchor_pos, out, num_out)
             self.anchors[: inp.num_reqs].copy_(anchors)
             self.anchor_pos[: inp.num_reqs].copy_(anchor_pos)

@@ -25,20 +25,13 @@ from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import Timer, trace_record
-from dspark.spec.verify import VerifyInputs, verify, verify_greedy
+from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
 
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 _PROBE_ROWS = 8  # ... for this many rows of the step
 _DECIDE_EVERY = 8  # steps between drafting decisions (sooner when the batch size moves)
-
-
-def next_anchors(anchor_pos, out, num_out):
-    """Each row's next anchor (the token it emitted last) and that token's position."""
-    last = (num_out - 1).clamp(min=0)
-    anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
-    return anchors, anchor_pos + num_out
 
 
 class SpecDecoder:

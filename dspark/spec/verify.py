@@ -253,3 +253,11 @@ def verify_greedy(
     emitted = torch.where(num_drafts >= 0, accepted + 1, torch.zeros_like(accepted))
     keep = torch.arange(k + 1, device=dev) < emitted.unsqueeze(1)
     return torch.where(keep, argmax, out), emitted
+
+
+def next_anchors(anchor_pos: torch.Tensor, out: torch.Tensor, num_out: torch.Tensor):
+    """Each row's next anchor (the token it emitted last, from `verify`'s outputs) and that
+    token's position."""
+    last = (num_out - 1).clamp(min=0)
+    anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
+    return anchors, anchor_pos + num_out
