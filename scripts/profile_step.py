@@ -61,7 +61,8 @@ def _phase(obj, name: str, label: str) -> None:
 
 def label_phases(llm: LLM) -> None:
     """Name the engine's phases in profiler traces: schedule, plan, pack (host inputs),
-    upload, allocate, target forward, verify/sample, propose, write_context, commit."""
+    upload, allocate, target forward, verify/sample, propose, write_context, commit, and the
+    whole-step graph replays with their host buffer fill."""
     import dspark.engine.model_runner as mr
 
     eng, runner = llm.engine, llm.engine.runner
@@ -72,6 +73,13 @@ def label_phases(llm: LLM) -> None:
         if not hasattr(mr, f"_orig_{name}"):
             setattr(mr, f"_orig_{name}", getattr(mr, name))
             _phase(mr, name, name.split("_")[0])
+    if runner.step_graphs is not None:  # the whole device half of most decode steps
+        import dspark.engine.step_graph as sgm
+
+        _phase(runner.step_graphs, "run", "whole_step_graphs")
+        if not hasattr(sgm, "_orig_fill_host"):
+            sgm._orig_fill_host = sgm.fill_host
+            _phase(sgm, "fill_host", "fill_host")
     if runner.spec is not None:
         spec = runner.spec
         for name, label in (("plan", "plan"), ("choose_lengths", "allocate"),
