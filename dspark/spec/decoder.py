@@ -259,7 +259,8 @@ class SpecDecoder:
             target_logits=logits,
             cu_num_logits=inp.cu_num_logits,
             draft_token_ids=self.draft_tokens[slots],
-            draft_probs=None if self.draft_probs is None else self.draft_probs[slots],
+            draft_probs=self.draft_probs,  # the whole buffer: rows are picked inside
+            draft_rows=slots,
             temperature=inp.temperature,
             top_k=inp.top_k,
             top_p=inp.top_p,

@@ -55,6 +55,8 @@ class VerifyInputs:
     cu_num_logits: torch.Tensor  # [R+1] int: request r owns rows cu[r]:cu[r+1] (1 + l_r rows)
     draft_token_ids: torch.Tensor  # [R, K] int64; slots >= l_r are ignored
     draft_probs: torch.Tensor | None  # [R, K, V] float32 draft distributions; None = greedy
+    # ... or [S, K, V] (a per-request buffer) with `draft_rows` [R] naming each request's row,
+    # so that only the rows and entries verification reads are gathered, never [R, K, V]
     temperature: torch.Tensor  # [R] float32; <= 1e-5 means greedy
     top_k: torch.Tensor | None  # [R] int64 (0 = off)
     top_p: torch.Tensor | None  # [R] float32 (1.0 = off)
@@ -62,6 +64,7 @@ class VerifyInputs:
     seeds: torch.Tensor  # [R] int64
     anchor_positions: torch.Tensor  # [R] int64: position of the anchor; d_j sits at anchor + j
     rounds: torch.Tensor  # [R] int64: per-request decoding round (RNG key)
+    draft_rows: torch.Tensor | None = None  # [R] int64 rows of draft_probs (None: 0..R-1)
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -106,10 +109,12 @@ def verify(
     safe_drafts = drafts.clamp(0, vocab - 1)  # ignored slots may hold anything (e.g. -1)
 
     # p_d(d_j) per draft slot: 1 for greedy (point-mass) drafts.
+    prow = torch.arange(num_reqs, device=dev) if inp.draft_rows is None else inp.draft_rows
     if draft_probs is None:
         pd_draft = torch.ones(num_reqs, k, dtype=torch.float64, device=dev)
     else:
-        pd_draft = draft_probs.gather(2, safe_drafts.unsqueeze(-1)).squeeze(-1).double()
+        slots_k = torch.arange(k, device=dev)
+        pd_draft = draft_probs[prow.unsqueeze(1), slots_k, safe_drafts].double()
 
     # ---- pass 1: per-row scalars, kept in [R+1, K+1] buffers (row R collects junk rows).
     shape = (num_reqs + 1, k + 1)
@@ -132,7 +137,7 @@ def verify(
             # P_j only uses rows before j of the same request: all in this or earlier chunks.
             weights = block_verify.prefix_weights(pt_draft[:num_reqs, :k], pd_draft)
             pw = weights[req, j]
-            pd_rows = None if draft_probs is None else draft_probs[req, slot].float()
+            pd_rows = None if draft_probs is None else draft_probs[prow[req], slot].float()
             mass = block_verify.residual_mass(probs, pw, d, pd_rows)
             res_mass.view(-1).scatter_(0, flat, torch.where(has_draft, mass, 0.0))
         del probs
@@ -171,7 +176,7 @@ def verify(
         if k > 0:
             pw = weight[r, n.clamp(max=k)].float()
             d = safe_drafts[r, slot]
-            pd_rows = None if draft_probs is None else draft_probs[r, slot].float()
+            pd_rows = None if draft_probs is None else draft_probs[prow[r], slot].float()
             residual = block_verify.residual_weights(probs, pw, d, pd_rows)
             mass = residual.sum(dim=1)
             use_res = is_res & (mass > 0) & torch.isfinite(mass)

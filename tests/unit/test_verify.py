@@ -718,3 +718,19 @@ def test_greedy_fast_path_equals_general_verify(seed):
     got_out, got_n = verify_greedy(logits, cu, drafts)
     assert torch.equal(got_n, want_n) and torch.equal(got_out, want_out)
     assert (want_n > 1).any()  # some drafts were accepted
+
+
+@pytest.mark.parametrize("method", ["standard", "block"])
+def test_draft_rows_of_a_buffer_equal_gathered_draft_probs(method):
+    """A per-request buffer [S, K, V] with each request's row index verifies exactly like the
+    gathered [R, K, V] distributions (the engine never materialises that gather)."""
+    inp = random_batch(11, r=24, extra_rows=3, match_prob=0.7)
+    ref = verify(inp, method, 5)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randperm(40, generator=g)[: inp.draft_probs.shape[0]]
+    buffer = torch.rand(40, *inp.draft_probs.shape[1:], generator=g)  # other rows: garbage
+    buffer[rows] = inp.draft_probs
+    got = verify(VerifyInputs(**{**inp.__dict__, "draft_probs": buffer, "draft_rows": rows}),
+                 method, 5)  # fmt: skip
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert (ref[1] > 1).sum() > 3  # some drafts accepted: the gathered entries mattered
