@@ -172,6 +172,9 @@ def main() -> int:
             proc.terminate()
             proc.wait(60)
     checks = offline_checks(args)
+    # which execution path each server ran (a failed capture silently changes the arm)
+    checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))
+                        for arm in arms(args)}  # fmt: skip
     summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
                "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
@@ -183,6 +186,17 @@ def main() -> int:
                         f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
     print_table(args, temps, results, checks, label)
     return 0
+
+
+def graph_status(log_path: str) -> dict:
+    """Whole-step CUDA graphs captured, and capture failures, as the server logged them."""
+    try:
+        text = open(log_path).read()
+    except OSError:
+        return {"captured": None, "failures": None}
+    return {"captured": text.count("captured whole-step CUDA graph"),
+            "failures": text.count("capture failed, per-phase path")
+            + text.count("CUDA graph capture failed: running eagerly")}  # fmt: skip
 
 
 def print_table(args, temps, results, checks, label) -> None:
@@ -206,6 +220,9 @@ def print_table(args, temps, results, checks, label) -> None:
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
                   + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+    print("whole-step CUDA graphs per arm (captured / capture failures): "
+          + ", ".join(f"{a} {g['captured']}/{g['failures']}"
+                      for a, g in checks.get("graphs", {}).items()))  # fmt: skip
     o = checks["overhead"] or {}
     if checks["identical_at_t0"] is None:
         print("T=0 identity: not checked (synthetic acceptance is not lossless by design)")

@@ -94,5 +94,10 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
     checks = summary["checks"]
     assert checks["identical_at_t0"] is (None if synthetic else True)
     assert checks["overhead"]["step_ms"] > 0
+    # the CPU has no CUDA graphs: each server logged none captured and no failure
+    assert checks["graphs"] == {a: {"captured": 0, "failures": 0}
+                                for a in ("nospec", "fixed7", "adaptive7")}  # fmt: skip
+    if not synthetic:
+        assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
     assert ("SYNTHETIC" in proc.stdout) == synthetic
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
