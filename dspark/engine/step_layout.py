@@ -18,6 +18,9 @@ from dspark.engine.input_batch import HostStep
 # per-row int64 segments of the layout, in this order (HostStep.ints keeps the same order)
 ROW_FIELDS = ("samples", "caps", "nd", "start", "slots", "seeds", "rounds", "top_k")
 _PAD_FLOATS = np.array([1.0, 1.0, 0.0], dtype=np.float32)  # temperature, top_p, min_p
+_PAD_FLOAT_BITS = _PAD_FLOATS.view(np.int32).astype(np.int64)[:, None]
+_PAD_ROWS = np.zeros((len(ROW_FIELDS), 1), dtype=np.int64)  # then slots -> the scratch row
+_PAD_STREAM = np.array([[0], [0], [SENTINEL_SLOT]], dtype=np.int64)  # id, position, KV slot
 
 
 @dataclass(frozen=True)
@@ -64,27 +67,25 @@ def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k
     bucket `lay`."""
     r, t, b = host.get("num_reqs"), host.get("num_tokens"), host.get("max_blocks")
     rb, tb = lay.rows, lay.tokens
-    ids, pos, slot_map, qsl, seq_lens, bt = np.split(host.ints[: 3 * t + 2 * r + 1 + r * b],
-                                                     np.cumsum([t, t, t, r + 1, r]))  # fmt: skip
+    ints = host.ints  # [ids t, positions t, slots t, qsl r+1, seq lens r, tables r*b, rows 8r]
+    o_qsl, o_tables = 3 * t, 3 * t + 2 * r + 1
     rows = buf[: 8 * rb].reshape(8, rb)
-    rows[:, r:] = 0
-    rows[:, :r] = host.ints[3 * t + 2 * r + 1 + r * b :].reshape(8, r)
+    rows[:, :r] = ints[o_tables + r * b :].reshape(8, r)
+    rows[:, r:] = _PAD_ROWS
     rows[ROW_FIELDS.index("slots"), r:] = scratch_slot
-    floats = np.empty((3, rb), dtype=np.float32)
-    floats[:, :r] = host.floats
-    floats[:, r:] = _PAD_FLOATS[:, None]
-    buf[lay.floats : lay.qsl] = floats.view(np.int32).reshape(-1)
-    buf[lay.qsl : lay.qsl + r + 1] = qsl
-    buf[lay.qsl + r + 1 : lay.seq_lens] = qsl[-1]  # zero-length padding rows
-    buf[lay.seq_lens : lay.seq_lens + r] = seq_lens
+    floats = buf[lay.floats : lay.qsl].reshape(3, rb)  # float32 bits
+    floats[:, :r] = host.floats.view(np.int32)
+    floats[:, r:] = _PAD_FLOAT_BITS
+    buf[lay.qsl : lay.qsl + r + 1] = ints[o_qsl : o_qsl + r + 1]
+    buf[lay.qsl + r + 1 : lay.seq_lens] = t  # zero-length padding rows
+    buf[lay.seq_lens : lay.seq_lens + r] = ints[o_qsl + r + 1 : o_tables]
     buf[lay.seq_lens + r : lay.block_tables] = 0
     tables = buf[lay.block_tables : lay.stream].reshape(rb, lay.blocks)
     tables[:] = 0
-    tables[:r, :b] = bt.reshape(r, b)
+    tables[:r, :b] = ints[o_tables : o_tables + r * b].reshape(r, b)
     stream = buf[lay.stream : lay.budget].reshape(4, tb)
-    stream[:3, t:] = 0
-    stream[2, t:] = SENTINEL_SLOT
-    stream[0, :t], stream[1, :t], stream[2, :t] = ids, pos, slot_map
+    stream[:3, :t] = ints[: 3 * t].reshape(3, t)
+    stream[:3, t:] = _PAD_STREAM
     stream[3] = -1  # draft source: row * K + slot in the draft buffer, -1 = not a draft
     dst, src_row, src_k = host.draft_fill
     stream[3, dst] = src_row * k + src_k
