@@ -167,19 +167,23 @@ def pack_step(
         nd, start, slots, seeds, rounds, top_k,
     ]  # fmt: skip
     fill = np.zeros((3, 0), dtype=np.int64)
-    if caps.any():  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
+    num_drafts = int(caps.sum())
+    if num_drafts:  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
         row = np.repeat(np.arange(num_reqs), caps)
-        src_k = np.arange(int(caps.sum())) - np.repeat(np.cumsum(caps) - caps, caps)
-        dst = qsl[row] + num_new[row] - caps[row] + src_k  # slots after the row's anchor
-        fill = np.stack([dst, slots[row], src_k]).astype(np.int64)
+        first = np.cumsum(caps) - caps  # index of each row's first draft among all drafts
+        src_k = np.arange(num_drafts) - first[row]
+        dst = (qsl[1:] - caps)[row] + src_k  # the row's draft slots close its query
+        fill = np.stack([dst, slots[row], src_k])
+    # column maxima / sums in one call each (num_new, caps, start, samples, ...)
+    hi = cols.max(axis=1) if num_reqs else np.zeros(8, dtype=np.int64)
+    num_samples = int(samples.sum())
+    floats = np.stack([temperature, top_p, min_p])
     meta = np.array([
-        num_reqs, total, max_blocks, int(num_new.max()) if num_reqs else 0,
-        int((start + num_new).max()) if num_reqs else 0, int(samples.sum()),
-        bool((temperature <= 1e-5).all()), int(caps.max()) if num_reqs else 0,
-        int((samples * (1 + caps)).sum()), bool((top_k > 0).any()), bool((top_p < 1).any()),
-        bool(min_p.any()), fill.shape[1],
+        num_reqs, total, max_blocks, hi[0], int(ints[4].max()) if num_reqs else 0, num_samples,
+        bool((temperature <= 1e-5).all()), hi[1], num_samples + int(samples @ caps),
+        hi[7] > 0, bool((top_p < 1).any()), bool(min_p.any()), fill.shape[1],
     ], dtype=np.int64)  # fmt: skip
-    return HostStep(meta, np.concatenate(ints), np.stack([temperature, top_p, min_p]), fill)
+    return HostStep(meta, np.concatenate(ints), floats, fill)
 
 
 def upload_step(
