@@ -1,0 +1,95 @@
+"""Host work of a whole-step-graph decode step, without a GPU: the padded step runs with its
+device work replaced by a fixed answer (every row emits one token, or three when verifying),
+so what is timed is scheduling, packing, the bucket layout, bookkeeping and commit.
+
+    python3 scripts/host_step_cost.py --policy fixed --concurrency 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import dspark.engine.model_runner as mr  # noqa: E402
+import dspark.engine.step_graph as sgm  # noqa: E402
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine.step_graph import StepGraphs  # noqa: E402
+
+DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                     "cost_table_h200_small_bf16.json")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--policy", default="fixed", choices=["none", "fixed", "lagged"])
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=400)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    spec = None
+    if args.policy != "none":
+        spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7,
+                "adaptive_policy": args.policy, "cost_table_path": TABLE,
+                "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}  # fmt: skip
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec)
+    runner = llm.engine.runner
+    sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
+    if runner.spec is not None:
+        runner.spec.graph_steps = runner.spec.graph_trims = True
+
+    def fixed_answer(key):  # packed outputs: tokens, emitted, verified
+        rows, width = key[1], sg.width(key[0])
+        emitted = 1 if width == 1 else 3
+        return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
+                          torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip
+
+    sg._step = fixed_answer
+    sg._draft = lambda rows, method: None
+    spent = collections.Counter()
+
+    def timed(obj, name):
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        setattr(obj, name, wrapper)
+
+    for obj, name in ((mr, "pack_step"), (sgm, "fill_host"), (llm.engine, "_commit"),
+                      (llm.engine.scheduler, "schedule"), (llm.engine.block_tables, "rows"),
+                      (sg, "run")):  # fmt: skip
+        timed(obj, name)
+    if runner.spec is not None:
+        timed(runner.spec, "plan")
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))}
+               for i in range(args.concurrency)]  # fmt: skip
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", p, params)
+    llm.engine.step()  # the prefill (runs the model: not timed)
+    spent.clear()
+    steps, t0 = 0, time.perf_counter()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        steps += 1
+    per_step = (time.perf_counter() - t0) / steps * 1e6
+    parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
+    print(f"policy {args.policy}, concurrency {args.concurrency}: {steps} decode steps, "
+          f"{per_step:.0f} us of host work per step ({parts})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
