@@ -76,6 +76,7 @@ class StepGraphs:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
+        self._outputs_copied = torch.cuda.Event() if dev.type == "cuda" else None
         self.steps: dict[tuple, int] = {}  # steps run per key (observability, tests)
         self.failed: set[tuple] = set()  # keys whose capture failed: per-phase path
         self.alloc_ms: dict[int, float] = {}  # request bucket -> allocation device time
@@ -135,9 +136,8 @@ class StepGraphs:
         packed = self._replay(key, lambda: self._step(key))
         host_out = self.host_out[: rb * (self.width(family) + 2)]
         host_out.copy_(packed, non_blocking=True)
-        done = None
-        if self.runner.device.type == "cuda":
-            done = torch.cuda.Event()
+        done = self._outputs_copied  # one event, re-recorded every step
+        if done is not None:
             done.record()
         # Graphs share one memory pool: a graph replayed after A may reuse memory holding A's
         # outputs, so every later replay (allocation timing, drafter) comes after the copy

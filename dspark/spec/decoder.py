@@ -97,9 +97,8 @@ class SpecDecoder:
         self._alloc_ms = 0.0
         self._no_drafts = False
         self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
-        # whole-step graphs (set by the runner): steps that verify everything run as one graph
-        # replay (graph_steps), and so do trimmed lagged plans (graph_trims); otherwise a
-        # trimmed plan pays the per-phase path's learned extra cost
+        # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
+        # lagged plans (graph_trims); else a trimmed plan pays the per-phase path's extra cost
         self.graph_steps = self.graph_trims = False
         self.ran_as_graph = False
 
@@ -349,7 +348,8 @@ class SpecDecoder:
     def _copy_conf_to_host(self) -> None:
         self._host_staging.copy_(self.conf, non_blocking=True)
         if self.device.type == "cuda":
-            self._conf_copy_done = torch.cuda.Event()
+            if self._conf_copy_done is None:  # one event, re-recorded: the latest copy counts
+                self._conf_copy_done = torch.cuda.Event()
             self._conf_copy_done.record()
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
