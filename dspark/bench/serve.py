@@ -53,7 +53,8 @@ class BenchConfig:
     timeout_s: float = 6 * 3600.0
     disable_tqdm: bool = False
     # before each level, its own first `concurrency` requests cut to this many output tokens,
-    # unmeasured (0: off): batch shapes first seen at a level compile or capture outside it
+    # unmeasured and prefix-cache salted (0: off): batch shapes first seen at a level compile
+    # or capture outside it
     warmup_tokens_per_level: int = 0
 
     @property
@@ -362,7 +363,10 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
                 n = cfg.warmup_tokens_per_level
                 warm = [dataclasses.replace(s, max_tokens=min(s.max_tokens, n))
                         for s in samples[: level or len(samples)]]  # fmt: skip
-                await run_level(session, cfg, warm, level, f"warm-up {level or 'inf'}")
+                # salted: the measured requests must not find these prompts in the prefix cache
+                body = {**cfg.extra_body, "cache_salt": f"dspark-bench-warmup-{idx}"}
+                await run_level(session, dataclasses.replace(cfg, extra_body=body), warm, level,
+                                f"warm-up {level or 'inf'}")  # fmt: skip
             before = await fetch_spec_counters(session, cfg)
             outputs, duration = await run_level(session, cfg, samples, level,
                                                 f"concurrency {level or 'inf'}")

@@ -467,6 +467,10 @@ def test_warmup_per_level_runs_each_levels_requests_short_and_unmeasured(fake_se
     # per level: `concurrency` warm-up requests (3 tokens) then the 8 measured ones (9 tokens)
     assert [b["max_tokens"] for b in srv.bodies] == [3] + [9] * 8 + [3] * 4 + [9] * 8
     assert [b["prompt"] for b in srv.bodies[9:13]] == [b["prompt"] for b in srv.bodies[13:17]]
+    # warm-up requests are prefix-cache salted, the measured ones are not
+    salts = [b.get("cache_salt") for b in srv.bodies]
+    assert salts[0] == "dspark-bench-warmup-0" and set(salts[9:13]) == {"dspark-bench-warmup-1"}
+    assert all(x is None for x in salts[1:9] + salts[13:])
     doc = json.loads(result.read_text())
     assert doc["config"]["warmup_tokens_per_level"] == 3
     assert [r["total_output_tokens"] for r in doc["results"]] == [72, 72]  # warm-up not counted
