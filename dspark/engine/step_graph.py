@@ -294,7 +294,8 @@ class StepGraphs:
                                        rn.backend)  # fmt: skip
             anchors, anchor_pos = next_anchors(inp.anchor_pos, out, num_out)
             self.anchors[: inp.num_reqs].copy_(anchors)
-            self.anchor_pos[: inp.num_reqs].copy_(anchor_pos)
+            # padding rows (no tokens) would sit at position -1: give them an empty context
+            self.anchor_pos[: inp.num_reqs].copy_(anchor_pos.clamp(min=0))
         return torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
 
     def _allocate(self, key: tuple) -> torch.Tensor:

@@ -208,3 +208,26 @@ def test_padded_steps_under_preemption_prefix_hits_and_chunked_prefill(tiny_qwen
     assert got == ref
     assert llm.engine.stats["preemptions"] > 0
     assert sum(llm.engine.runner.step_graphs.steps.values()) > 5
+
+
+def test_padding_rows_draft_from_an_empty_context(tiny_qwen, drafter):
+    """Rows past the real ones (zero tokens) hand the drafter anchor position 0, never -1
+    (a negative position would index before the RoPE and KV tables on the GPU)."""
+    llm = LLM(tiny_qwen, device="cpu", block_size=4, max_num_seqs=8, num_kv_blocks=200,
+              speculative_config={"model": drafter, "num_speculative_tokens": 3})  # fmt: skip
+    runner = llm.engine.runner
+    sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
+    seen = []
+    draft = sg._draft
+
+    def spy(rb, method):
+        seen.append(sg.anchor_pos[:rb].clone())
+        return draft(rb, method)
+
+    sg._draft = spy
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 7, 4)], params,
+                 use_tqdm=False)  # fmt: skip
+    padded = [a for a in seen if len(a) == 4]  # 3 rows padded to 4 (then fewer rows)
+    assert padded and all(int(a[3]) == 0 for a in padded)
+    assert all(int(a.min()) >= 0 for a in seen)
