@@ -212,7 +212,7 @@ def test_padded_steps_under_preemption_prefix_hits_and_chunked_prefill(tiny_qwen
 
 def test_padding_rows_draft_from_an_empty_context(tiny_qwen, drafter):
     """Rows past the real ones (zero tokens) hand the drafter anchor position 0, never -1
-    (a negative position would index before the RoPE and KV tables on the GPU)."""
+    (a context length of -1 is outside what the drafter's attention kernel is written for)."""
     llm = LLM(tiny_qwen, device="cpu", block_size=4, max_num_seqs=8, num_kv_blocks=200,
               speculative_config={"model": drafter, "num_speculative_tokens": 3})  # fmt: skip
     runner = llm.engine.runner
