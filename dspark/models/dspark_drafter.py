@@ -60,7 +60,7 @@ class DraftOutput:
     token_ids: torch.Tensor  # [R, K] int64
     probs: torch.Tensor | None  # [R, K, V] float32 at the request temperature (probabilistic)
     conf_logits: torch.Tensor | None  # [R, K] float32; c_k = sigmoid(logit)
-    max_probs: torch.Tensor  # [R, K] float32, max of the T = 1 draft distribution
+    max_probs: torch.Tensor | None  # [R, K] float32, max of the T = 1 draft law (if asked)
 
 
 class DrafterAttention(nn.Module):
@@ -207,6 +207,7 @@ class DSparkDrafter(nn.Module):
         seeds: torch.Tensor,  # [R] int64
         rounds: torch.Tensor,  # [R] int64
         sample_method: str = "greedy",  # "greedy" | "probabilistic"
+        need_max_probs: bool = True,  # max of the T=1 draft law (the online estimator's input)
     ) -> DraftOutput:
         cfg = self.config
         num_reqs, block_len, k_max = anchor_ids.shape[0], cfg.block_size, num_tokens
@@ -233,7 +234,9 @@ class DSparkDrafter(nn.Module):
         # Sequential stage: Markov bias, token choice and confidence, slot by slot.
         probabilistic = sample_method == "probabilistic"
         token_ids = torch.empty(num_reqs, k_max, dtype=torch.long, device=device)
-        max_probs = torch.empty(num_reqs, k_max, dtype=torch.float32, device=device)
+        max_probs = None  # a full pass over the vocabulary per slot: only when asked for
+        if need_max_probs:
+            max_probs = torch.empty(num_reqs, k_max, dtype=torch.float32, device=device)
         probs = None
         if probabilistic:
             probs = torch.empty(num_reqs, k_max, cfg.vocab_size, dtype=torch.float32,
@@ -258,7 +261,8 @@ class DSparkDrafter(nn.Module):
                 )
                 conf_logits[:, k] = self.confidence_head(feats)
             top = logits.max(dim=-1)
-            max_probs[:, k] = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
+            if max_probs is not None:
+                max_probs[:, k] = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
             if probabilistic:
                 p = processed_probs(logits, temperature)  # one-hot rows for T <= 1e-5
                 u = rng.uniform(seeds, anchor_pos + (k + 1), rounds, rng.DRAFT)

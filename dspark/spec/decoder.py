@@ -323,7 +323,7 @@ class SpecDecoder:
         if draft is None:
             draft = self.drafter.propose(
                 anchors, anchor_pos, block_tables, max_ctx_len, self.kv_caches, self.backend,
-                self.k, temperature, seeds, rounds, method,
+                self.k, temperature, seeds, rounds, method, self.estimator is not None,
             )  # fmt: skip
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None and draft.probs is not None:

@@ -46,7 +46,7 @@ class DraftGraphRunner:
         return s.drafter.propose(
             self.anchors[:r], self.anchor_pos[:r], self.block_tables[:r], self.max_ctx_len,
             s.kv_caches, s.backend, s.k, self.temperature[:r], self.seeds[:r], self.rounds[:r],
-            method,
+            method, s.estimator is not None,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -95,5 +95,5 @@ class DraftGraphRunner:
             o.token_ids[:n],
             None if o.probs is None else o.probs[:n],
             None if o.conf_logits is None else o.conf_logits[:n],
-            o.max_probs[:n],
+            None if o.max_probs is None else o.max_probs[:n],
         )

@@ -99,10 +99,10 @@ class Batch:
         self.drafter.write_context(self.aux[r][positions], positions, self.slots(r, positions),
                                    self.caches, BACKEND)
 
-    def propose(self, k, temperature, seeds, rounds, method):
+    def propose(self, k, temperature, seeds, rounds, method, need_max_probs=True):
         return self.drafter.propose(
             self.anchor_ids, self.anchor_pos, self.block_tables, max(self.ctx_lens),
-            self.caches, BACKEND, k, temperature, seeds, rounds, method)
+            self.caches, BACKEND, k, temperature, seeds, rounds, method, need_max_probs)
 
 
 # ------------------------------------------------------------------ dense reference
@@ -272,6 +272,11 @@ def test_context_strictly_before_anchor(tmp_path, target_dir, target):
     batch.aux[0][stale] = 5 * torch.randn(len(stale), batch.aux[0].shape[1])
     batch.write(0, stale)
     assert not torch.equal(batch.caches[0][0], before[0][0])  # the cache did change
+    # without the max-probability pass (the confidence head serves): the same drafts
+    lean = batch.propose(*args, need_max_probs=False)
+    assert lean.max_probs is None and base.max_probs is not None
+    assert torch.equal(lean.token_ids, base.token_ids) and torch.equal(lean.probs, base.probs)
+    assert torch.equal(lean.conf_logits, base.conf_logits)
     again = batch.propose(*args)
     assert torch.equal(again.token_ids, base.token_ids)
     assert torch.equal(again.probs, base.probs)

@@ -141,7 +141,7 @@ def test_all_greedy_steps_draft_greedily(tiny_qwen, reference, drafter, method):
               max_num_batched_tokens=24, num_kv_blocks=60)  # fmt: skip
     d = llm.engine.runner.spec.drafter
     seen, propose = [], d.propose
-    d.propose = lambda *a, **k: seen.append(a[-1]) or propose(*a, **k)
+    d.propose = lambda *a, **k: seen.append(a[10]) or propose(*a, **k)  # the draft method
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
     engine = llm.engine
