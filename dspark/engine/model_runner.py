@@ -354,6 +354,7 @@ class ModelRunner:
         self.spec = self.model = None
         self.k_cache = self.v_cache = None
         self.kv_caches = []
+        gc.unfreeze()  # the engine froze what existed at start-up (llm_engine.py)
         gc.collect()  # graphs and modules sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
