@@ -8,6 +8,7 @@ model runner owns the device side.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -95,6 +96,7 @@ class LLMEngine:
         # middle of a step. Frozen objects are skipped (release_memory unfreezes).
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)  # let the interpreter's last collection see them again
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
