@@ -156,15 +156,16 @@ class SpecDecoder:
                   or self._survival is None)  # no estimate yet: decide again once there is
         budget = 0
         if caps.any():
-            self._refresh_host_conf()
-            stale = self.host_conf.numpy()[slots]
-            self._update_survival(stale[caps > 0])
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
             # (and with trimmed graphs, so can a trimmed plan: no penalty)
             graph_ok = self.graph_steps and other == 0
             eager_trim = graph_ok and not self.graph_trims
             penalty = self.fixed_costs.trim_penalty_ms(self.cost) if eager_trim else 0.0
-            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty)
+            # confidences are read only when needed (at low load, a bound settles the plan)
+            budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
+                                           penalty)  # fmt: skip
+            if decide:  # the survival estimate feeds the decision only
+                self._update_survival(self._stale(slots)[caps > 0])
         self.last_budget = budget
         if decide:
             self._pays = self._drafting_pays(n, other, n_sampling)
@@ -176,7 +177,8 @@ class SpecDecoder:
         return budget
 
     def _update_survival(self, stale: np.ndarray) -> None:
-        """EMA of the mean prefix survival per position over the rows with drafts."""
+        """EMA (over decision steps) of the mean prefix survival per position over the rows
+        with drafts."""
         if np.isnan(stale).any():
             stale = np.nan_to_num(stale, nan=1.0)
         survival = np.cumprod(stale, axis=1).sum(axis=0) / stale.shape[0]
@@ -188,21 +190,19 @@ class SpecDecoder:
         drafter's own (untrimmable) cost is paid. Decided from stale, aggregate survival (never
         from the drafts it gates), so skipping drafting is lossless; when load falls the same
         comparison turns drafting back on."""
-        if (
-            not self.sc.draft_skipping
-            or self._survival is None
-            or self.tensor_parallel_size > 1  # ranks must agree; not broadcast (yet)
-            or num_sampling == 0
-        ):
+        if (not self.sc.draft_skipping or self._survival is None or num_sampling == 0
+                or self.tensor_parallel_size > 1):  # TP: ranks must agree; not broadcast (yet)
             return True
         return drafting_pays(self.cost, self._survival[: self.k], num_reqs, other, num_sampling,
                              self.fixed_costs.plain_ms, self.sc.min_predicted_gain)  # fmt: skip
 
-    def _refresh_host_conf(self) -> None:
-        # Use the last copy that has landed; never wait for the device.
+    def _stale(self, slots: np.ndarray) -> np.ndarray:
+        """The rows' confidences from the last device->host copy that has landed (never
+        waiting for the device)."""
         ev = self._conf_copy_done
         if ev is None or ev.query():
             self.host_conf.copy_(self._host_staging)
+        return self.host_conf.numpy()[slots]
 
     # -- allocate (device, live confidences) ----------------------------------------------------
     def choose_lengths(self, inp: StepInputs, budget: int | None) -> None:

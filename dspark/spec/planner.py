@@ -264,9 +264,11 @@ class Planner:
         self.last_decision: BudgetDecision | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
 
-    def plan_cpu(self, stale_conf: np.ndarray | None, capacities: np.ndarray,
+    def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
                  trim_penalty_ms: float = 0.0) -> int | None:
+        """The lagged budget. `stale_conf`: [R, K] array (see plan_budget_lagged), None, or a
+        callable returning one, called only when the budget search needs it."""
         if self.policy != "lagged":
             return None
         caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
@@ -277,6 +279,8 @@ class Planner:
             self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
                                                 False)  # fmt: skip
             return total
+        if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
+            stale_conf = stale_conf()
         allowed = None
         if self.snap_to_graphs and self.cost.graph_sizes:
             allowed = self.cost.budget_candidates(caps.size + num_other_tokens, int(caps.sum()))

@@ -306,3 +306,23 @@ def test_lagged_trim_penalty_is_paid_by_trimmed_budgets_only():
     p = Planner("lagged", cost)
     assert p.plan_cpu(conf, caps, 0, 2, trim_penalty_ms=6.0) == 8
     assert p.plan_cpu(conf, caps, 0, 2) == 2
+
+
+def test_plan_cpu_reads_confidences_only_when_a_trim_could_pay():
+    conf = np.full((2, 3), 0.5)
+    calls = []
+
+    def stale():
+        calls.append(1)
+        return conf
+
+    flat = CostModel.from_measurements([1, 64], [10.0, 10.05])  # extra tokens nearly free
+    with pytest.warns(RuntimeWarning, match="flat"):
+        planner = Planner("lagged", flat)
+    assert planner.plan_cpu(stale, np.array([3, 3]), 0, 2) == 6
+    assert calls == []  # the bound settled it: verify all without looking
+    steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
+    p = Planner("lagged", steep)
+    assert p.plan_cpu(stale, np.array([3, 3]), 0, 2) == plan_budget_lagged(
+        conf, np.array([3, 3]), 0, 2, steep).budget  # fmt: skip
+    assert calls == [1]
