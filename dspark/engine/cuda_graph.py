@@ -19,7 +19,6 @@ import torch
 
 from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata, compute_token_to_req
 from dspark.engine.input_batch import StepInputs
-from dspark.forward_context import ForwardContext, forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +75,7 @@ class CudaGraphRunner:
             token_to_req=compute_token_to_req(qsl, t), max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len, num_reqs=r,
         )  # fmt: skip
-        rn = self.runner
-        with forward_context(ForwardContext(md, rn.backend, rn.kv_caches)):
-            return rn.model(self.input_ids[:t], self.positions[:t], rn.aux_layer_ids)
+        return self.runner.eager_forward(self.input_ids[:t], md)
 
     @torch.inference_mode()
     def capture(self) -> None:

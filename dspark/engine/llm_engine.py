@@ -28,6 +28,9 @@ from dspark.sampling.rng import hash_keys
 from dspark.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# engines freeze their start-up objects (LLMEngine.__init__): let the interpreter's last
+# collection see them again
+atexit.register(gc.unfreeze)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,7 +99,6 @@ class LLMEngine:
         # middle of a step. Frozen objects are skipped (release_memory unfreezes).
         gc.collect()
         gc.freeze()
-        atexit.register(gc.unfreeze)  # let the interpreter's last collection see them again
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(

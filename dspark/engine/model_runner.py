@@ -27,7 +27,7 @@ from dspark.config import EngineConfig
 from dspark.engine.input_batch import HostStep, finalize, pack_step, upload_step
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.engine.step_graph import CaptureFailed, StepGraphs
-from dspark.engine.step_layout import unpack_outputs
+from dspark.engine.step_layout import pack_outputs, unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.layers.parallel import SINGLE, tensor_parallel
 from dspark.layers.rotary import rope_inv_freq
@@ -298,7 +298,7 @@ class ModelRunner:
             out, num_out = sample_step(logits, inp)
         host_out, done = None, None
         if self.tp.rank == 0:
-            packed = torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+            packed = pack_outputs(out, num_out, inp.lengths)
             host_out = packed.to("cpu", non_blocking=True)
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
@@ -321,6 +321,11 @@ class ModelRunner:
             t = self.graphs.bucket_for(num_tokens, md.num_reqs, md.max_query_len)
             if t is not None:
                 return self.graphs.run_raw(input_ids, md, num_tokens, t)
+        return self.eager_forward(input_ids, md)
+
+    def eager_forward(self, input_ids: torch.Tensor, md):
+        """The target forward over `md`'s ragged stream, without graph replay (also what every
+        CUDA graph captures). Returns (hidden, aux hidden states for the drafter)."""
         with forward_context(ForwardContext(md, self.backend, self.kv_caches)):
             return self.model(input_ids, md.positions, self.aux_layer_ids)
 

@@ -40,8 +40,7 @@ import torch
 
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.input_batch import HostStep, StepInputs, finalize
-from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host
-from dspark.forward_context import ForwardContext, forward_context
+from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
 from dspark.spec.verify import next_anchors
@@ -283,8 +282,7 @@ class StepGraphs:
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
-        with forward_context(ForwardContext(inp.attn_metadata(), rn.backend, rn.kv_caches)):
-            hidden, aux = rn.model(inp.input_ids, inp.positions, rn.aux_layer_ids)
+        hidden, aux = rn.eager_forward(inp.input_ids, inp.attn_metadata())
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
         if spec is None:
             out, num_out = sample_step(logits, inp)
@@ -296,7 +294,7 @@ class StepGraphs:
             self.anchors[: inp.num_reqs].copy_(anchors)
             # padding rows (no tokens) would sit at position -1: give them an empty context
             self.anchor_pos[: inp.num_reqs].copy_(anchor_pos.clamp(min=0))
-        return torch.cat([out.flatten(), num_out.long(), inp.lengths.long()])
+        return pack_outputs(out, num_out, inp.lengths)
 
     def _allocate(self, key: tuple) -> torch.Tensor:
         """The lagged policy's global top-B over the current survivals of a trimmed step."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.input_batch import HostStep
@@ -90,6 +91,12 @@ def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k
     dst, src_row, src_k = host.draft_fill
     stream[3, dst] = src_row * k + src_k
     buf[lay.budget] = -1 if budget is None else budget
+
+
+def pack_outputs(out: torch.Tensor, num_out: torch.Tensor, lengths: torch.Tensor):
+    """A step's outputs as one int64 tensor (one device->host copy): tokens [R, width] row by
+    row, emitted [R], verified [R]; `unpack_outputs` reads it back."""
+    return torch.cat([out.flatten(), num_out.long(), lengths.long()])
 
 
 def unpack_outputs(host: np.ndarray, num_reqs: int, rows: int, width: int):

@@ -129,6 +129,10 @@ class SpecDecoder:
         )
 
     @property
+    def needs_max_probs(self) -> bool:  # the online estimator's input; a head makes it dead work
+        return self.estimator is not None
+
+    @property
     def needs_cost_model(self) -> bool:
         return self._policy in ("lagged", "early_stop")
 
@@ -323,7 +327,7 @@ class SpecDecoder:
         if draft is None:
             draft = self.drafter.propose(
                 anchors, anchor_pos, block_tables, max_ctx_len, self.kv_caches, self.backend,
-                self.k, temperature, seeds, rounds, method, self.estimator is not None,
+                self.k, temperature, seeds, rounds, method, self.needs_max_probs,
             )  # fmt: skip
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None and draft.probs is not None:

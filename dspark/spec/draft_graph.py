@@ -46,7 +46,7 @@ class DraftGraphRunner:
         return s.drafter.propose(
             self.anchors[:r], self.anchor_pos[:r], self.block_tables[:r], self.max_ctx_len,
             s.kv_caches, s.backend, s.k, self.temperature[:r], self.seeds[:r], self.rounds[:r],
-            method, s.estimator is not None,
+            method, s.needs_max_probs,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -283,7 +283,7 @@ class Planner:
             stale_conf = stale_conf()
         allowed = None
         if self.snap_to_graphs and self.cost.graph_sizes:
-            allowed = self.cost.budget_candidates(caps.size + num_other_tokens, int(caps.sum()))
+            allowed = self.cost.budget_candidates(caps.size + num_other_tokens, total)
         d = plan_budget_lagged(stale_conf, caps, num_other_tokens, num_sampling_reqs,
                                self.cost, self.min_predicted_gain, allowed, self.prior_conf,
                                trim_penalty_ms)  # fmt: skip

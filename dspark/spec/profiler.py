@@ -113,7 +113,7 @@ def _draft_step(runner, num_reqs: int, context_len: int):
         d.propose(
             anchors, anchor_pos, md.block_tables, context_len + spec.k + 1, spec.kv_caches,
             runner.backend, spec.k, temp, seeds, seeds, spec.sc.draft_sample_method,
-            spec.estimator is not None,
+            spec.needs_max_probs,
         )  # fmt: skip
 
     return step
