@@ -78,7 +78,7 @@ def load_target(
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
-        return model.eval()
+        return model.eval().requires_grad_(False)
     load_weights(
         model,
         path,
@@ -86,7 +86,8 @@ def load_target(
         cls.packed_modules,
         model.shard_sizes,
     )
-    return model.eval()
+    # inference only: the fused kernels decline tensors that autograd tracks (layers/norm.py)
+    return model.eval().requires_grad_(False)
 
 
 class ModelRunner:

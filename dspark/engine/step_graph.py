@@ -164,6 +164,7 @@ class StepGraphs:
         family, rb = key[:2]  # a trimmed step is laid out with every draft slot
         return Layout(rb, rb if family == "plain" else rb * (1 + self.k), self.blocks)
 
+    @torch.no_grad()  # no autograd in a step: fused kernels take only untracked tensors
     def _replay(self, key: tuple, fn):
         if not self.use_graphs:
             return fn()

@@ -114,3 +114,12 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
         assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
     assert ("SYNTHETIC" in proc.stdout) == synthetic
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
+
+
+def test_diag_step_paths_smoke(tmp_path):
+    proc = _smoke("diag_step_paths.py", tmp_path)
+    report = (tmp_path / "diag_step_paths.txt").read_text()
+    assert report.count("### ") == 2  # a kernel table per path
+    rows = [line.split() for line in proc.stdout.splitlines() if " tok/s " in line]
+    assert [r[0] for r in rows[:4]] == ["whole-step"] * 2 + ["per-phase"] * 2
+    assert all(float(r[2]) > 0 and float(r[-2]) > 0 for r in rows[:4])
