@@ -27,6 +27,38 @@ TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples
                      "cost_table_h200_small_bf16.json")  # fmt: skip
 
 
+def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> StepGraphs:
+    """Route decode steps through the padded whole-step path with the device work replaced by a
+    fixed answer (every row emits one token, or three when verifying); what remains is host
+    work. Prefill steps still run the model's tail (logits, sampling, drafting); with
+    `prefill` its layers are skipped too (the hidden states are zeros). `device_ms`: each
+    decode step also waits that long with the GIL released, as a device sync does."""
+    if prefill:
+        d, n_aux = runner.model.embed_tokens.weight.shape[1], len(runner.aux_layer_ids)
+
+        def zeros(input_ids, md):
+            t = input_ids.shape[0]
+            hidden = torch.zeros(t, d, dtype=runner.dtype)
+            return hidden, torch.zeros(t, n_aux * d, dtype=runner.dtype) if n_aux else None
+
+        runner.eager_forward = zeros
+    sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
+    if runner.spec is not None:
+        runner.spec.graph_steps = runner.spec.graph_trims = True
+
+    def fixed_answer(key):  # packed outputs: tokens, emitted, verified
+        if device_ms:
+            time.sleep(device_ms / 1e3)
+        rows, width = key[1], sg.width(key[0])
+        emitted = 1 if width == 1 else 3
+        return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
+                          torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip
+
+    sg._step = fixed_answer
+    sg._draft = lambda rows, method: None
+    return sg
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--policy", default="fixed", choices=["none", "fixed", "lagged"])
@@ -41,18 +73,7 @@ def main() -> int:
                 "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}  # fmt: skip
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec)
     runner = llm.engine.runner
-    sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
-    if runner.spec is not None:
-        runner.spec.graph_steps = runner.spec.graph_trims = True
-
-    def fixed_answer(key):  # packed outputs: tokens, emitted, verified
-        rows, width = key[1], sg.width(key[0])
-        emitted = 1 if width == 1 else 3
-        return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
-                          torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip
-
-    sg._step = fixed_answer
-    sg._draft = lambda rows, method: None
+    sg = stub_device_work(runner)
     spent = collections.Counter()
 
     def timed(obj, name):
@@ -78,7 +99,9 @@ def main() -> int:
                for i in range(args.concurrency)]  # fmt: skip
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, params)
-    llm.engine.step()  # the prefill (runs the model: not timed)
+    sched = llm.engine.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        llm.engine.step()  # the prefill chunks (they run the model: not timed)
     spent.clear()
     steps, t0 = 0, time.perf_counter()
     while llm.engine.has_unfinished_requests():

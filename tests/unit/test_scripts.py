@@ -123,3 +123,16 @@ def test_diag_step_paths_smoke(tmp_path):
     rows = [line.split() for line in proc.stdout.splitlines() if " tok/s " in line]
     assert [r[0] for r in rows[:4]] == ["whole-step"] * 2 + ["per-phase"] * 2
     assert all(float(r[2]) > 0 and float(r[-2]) > 0 for r in rows[:4])
+
+
+def test_server_host_ceiling_streams_every_step():
+    """The host-ceiling harness serves over HTTP with the device work stubbed; its requests
+    must stream (one chunk per step, not one at the end: the LLM wrapper turns streaming off)."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/server_host_ceiling.py", "--policy", "lagged", "--concurrency",
+         "4", "--tokens", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("policy lagged, concurrency 4:") and "TPOT p50" in line
+    assert float(line.split()[4]) > 0  # output tok/s

@@ -1,0 +1,107 @@
+"""The serving path's host ceiling, without a GPU: `dspark serve`'s app (FastAPI + the
+AsyncLLMEngine thread) on the demo pair with the decode steps' device work replaced by a fixed
+answer (scripts/host_step_cost.py), driven by `dspark bench serve` over HTTP with streaming.
+Output tokens/s here is what the host alone allows; a GPU run cannot exceed it on this host.
+The stub emits 3 tokens per verifying row and drafts nothing, so `lagged` (which plans from
+the drafts' confidences) is not representative; `none` and `fixed` are.
+
+    python3 scripts/server_host_ceiling.py --policy none --concurrency 64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from host_step_cost import DEMO, TABLE, stub_device_work  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float):
+    import uvicorn
+
+    from dspark import LLM
+    from dspark.engine.async_engine import AsyncLLMEngine
+    from dspark.server.api import build_app
+
+    spec = None
+    if policy != "none":
+        spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7,
+                "adaptive_policy": policy, "cost_table_path": TABLE,
+                "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}  # fmt: skip
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs, speculative_config=spec,
+              max_num_batched_tokens=16384)  # fmt: skip
+    stub_device_work(llm.engine.runner, prefill=True, device_ms=device_ms)
+    llm.engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
+    if tokenless:  # as with --load-format dummy: chunks carry token ids, no text
+        llm.engine.tokenizer = None
+    engine = AsyncLLMEngine(llm.engine)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port,
+                            log_level="warning", access_log=False)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def bench(url: str, conc: int, tokens: int, out: str) -> dict:
+    cmd = [sys.executable, "-m", "dspark", "bench", "serve", "--base-url", url,
+           "--max-concurrency", str(conc), "--num-prompts", str(conc), "--ignore-eos",
+           "--dataset", "random", "--random-prompt-type", "token-ids", "--random-input-len", "32",
+           "--random-output-len", str(tokens), "--warmup", str(min(conc, 16)),
+           "--save-result", out, "--disable-tqdm"]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.load(open(out))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--policy", default="none", choices=["none", "fixed", "lagged"])
+    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="each decode step waits this long with the GIL released (a device sync)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the server process (default: Python's 5 ms)")
+    ap.add_argument("--tokenless", action="store_true", help="no tokenizer (token-id chunks)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms)
+    try:
+        for c in conc:
+            res = bench(url, c, args.tokens, os.path.join(tempfile.mkdtemp(), "r.json"))
+            r = res["results"][0]
+            assert r["completed"] == c and r["itl_ms"]["p50"] is not None, r  # streamed
+            print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}, "
+                  f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "
+                  f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms",
+                  flush=True)  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
