@@ -55,6 +55,11 @@ class AttentionBackend:
 
     name = "base"
 
+    def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
+        """Compile what a kernel-compiling backend would otherwise compile on first use in the
+        middle of serving; returns the number of variants compiled (none here)."""
+        return 0
+
     def write_kv(
         self,
         k: torch.Tensor,  # [T, Hkv, D]

@@ -45,6 +45,13 @@ class TritonAttentionBackend(AttentionBackend):
             return device is None or device.type == "cpu"
         return torch.cuda.is_available() and (device is None or device.type == "cuda")
 
+    def warmup(self, k_cache, v_cache, num_heads: int) -> int:
+        """Compile every launch variant of the paged attention kernels (see paged_attention)."""
+        from dspark.attention.triton import paged_attention
+
+        return paged_attention.warmup(k_cache, v_cache, num_heads, self.max_splits,
+                                      self.min_split_len)  # fmt: skip
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
 

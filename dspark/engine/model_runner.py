@@ -142,6 +142,10 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.kv_caches = self.spec.drafter.new_kv_caches(
                 self.num_blocks, self.block_size, device)
+        if device.type == "cuda":  # kernel compiles now, not as ~1 s stalls under traffic
+            heads = model_cfg.num_attention_heads // self.tp.size
+            n = self.backend.warmup(*self.kv_caches[0], heads)
+            logger.info("attention kernels: %d launch variants compiled", n)
         self.graphs = None
         self.step_graphs: StepGraphs | None = None
         # Collectives inside CUDA graphs are untested here: eager under tensor parallelism

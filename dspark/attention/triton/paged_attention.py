@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.attention.base import AttentionMetadata
+from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata
 
 LSE_EMPTY = -1.0e30  # log-sum-exp written by a split that saw no key
 LOG2E = 1.4426950408889634
@@ -194,7 +194,7 @@ def _paged_attention_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
     part_o_ptr,  # [S, N, H, D] fp32, normalised per split
     part_lse_ptr,  # [S, N, H] fp32, base-2 log-sum-exp (LSE_EMPTY for empty splits)
@@ -236,12 +236,57 @@ def num_sms(device: torch.device) -> int:
 def pick_num_splits(
     device: torch.device, num_programs: int, max_kv_len: int, max_splits: int, min_chunk: int
 ) -> int:
-    """Split the KV range only when the grid cannot fill the chip and contexts are long."""
+    """Split the KV range only when the grid cannot fill the chip and contexts are long. The
+    count is a power of two: NUM_SPLITS is a compile-time constant, so every distinct value is
+    a kernel compiled on first use (~1 s in the middle of serving); `warmup` compiles them all
+    at start-up."""
     sms = num_sms(device)
     if max_splits <= 1 or num_programs >= sms:
         return 1
     splits = min(max_splits, triton.cdiv(3 * sms, num_programs), max_kv_len // min_chunk)
-    return max(1, splits)
+    return 1 << (max(1, splits).bit_length() - 1)  # round down to a power of two
+
+
+def split_counts(max_splits: int) -> list[int]:
+    """Every count `pick_num_splits` can return."""
+    return [1 << i for i in range(max(1, max_splits).bit_length())]
+
+
+def launch_variants(group_pad: int, head_dim: int, max_splits: int) -> dict:
+    """Every compile-time launch variant (BLOCK_Q, BLOCK_N, warps, splits, stages) a CUDA call
+    can take, mapped to a max_query_len that selects it."""
+    variants = {}
+    for qlen in range(1, 64 // group_pad + 2):  # past 64 rows every length is "prefill"
+        bq, bn, warps = _launch_config(group_pad, qlen, head_dim, True)
+        for splits in split_counts(max_splits):
+            stages = num_stages(True, bq * group_pad, splits)
+            variants.setdefault((bq, bn, warps, splits, stages), qlen)
+    return variants
+
+
+def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_splits: int,
+           min_chunk: int) -> int:  # fmt: skip
+    """Compile every launch variant of the attention and combine kernels now, on a one-row
+    batch attending to block 0 (outputs discarded), so no request meets a compile. Returns the
+    number of variants."""
+    _, page, num_kv_heads, head_dim = k_cache.shape
+    dev, dtype = k_cache.device, k_cache.dtype
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    variants = launch_variants(group_pad, head_dim, max_splits)
+    for (_, _, _, splits, _), qlen in variants.items():
+        ctx = max(qlen, splits * min_chunk)
+        md = AttentionMetadata(
+            query_start_loc=torch.tensor([0, qlen], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, triton.cdiv(ctx, page)), dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((qlen,), SENTINEL_SLOT, dtype=torch.int64, device=dev),
+            positions=torch.arange(ctx - qlen, ctx, device=dev),
+            token_to_req=torch.zeros(qlen, dtype=torch.int32, device=dev),
+            max_query_len=qlen, max_seq_len=ctx, num_reqs=1,
+        )  # fmt: skip
+        q = torch.randn(qlen, num_heads, head_dim, device=dev).to(dtype)
+        paged_attention(q, k_cache, v_cache, md, 1.0, num_splits=splits)
+    return len(variants)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
