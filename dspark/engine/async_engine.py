@@ -261,6 +261,7 @@ class AsyncLLMEngine:
                 self._dispatch(outputs)
                 self._maybe_snapshot()
                 if eng.stats["steps"] == steps and not outputs:
+                    eng.mark_idle()
                     self._wake.wait(0.005)  # nothing schedulable: do not spin
                     self._wake.clear()
             self._take_snapshot()

@@ -53,6 +53,8 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
+_MAX_GAP_S = 0.1  # a longer gap between two steps is idling, not per-step work
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -99,6 +101,8 @@ class LLMEngine:
         # middle of a step. Frozen objects are skipped (release_memory unfreezes).
         gc.collect()
         gc.freeze()
+        # end of the last step while busy; None after idling (see _step_period_ms)
+        self._last_step_end: float | None = None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -111,6 +115,8 @@ class LLMEngine:
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not self.scheduler.has_unfinished():
+            self.mark_idle()  # the time since the last step was idle, not a step's cost
         text, token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         if not token_ids:
@@ -196,11 +202,24 @@ class LLMEngine:
         result = self.runner.execute(sched, tables)
         self.stats["steps"] += 1
         outputs = self._commit(sched, result)
+        period_ms = self._step_period_ms(t0)
         if self.runner.spec is not None:  # the whole step, host work included, is the cost
-            self.runner.spec.observe_step_time(
-                (time.perf_counter() - t0) * 1e3, result.num_tokens, len(sched.rows)
-            )
+            self.runner.spec.observe_step_time(period_ms, result.num_tokens, len(sched.rows))
         return outputs
+
+    def mark_idle(self) -> None:
+        """The driver waits for work now: the time until the next step is no step's cost."""
+        self._last_step_end = None
+
+    def _step_period_ms(self, t0: float) -> float:
+        """What this step cost: from the end of the previous step while busy (so the driver's
+        per-step work between steps counts: a server's streaming of every request's output,
+        the GIL its event loop holds), else from this step's start. A gap over
+        _MAX_GAP_S is a pause, not per-step work."""
+        now, last = time.perf_counter(), self._last_step_end
+        self._last_step_end = now
+        start = t0 if last is None or t0 - last > _MAX_GAP_S else last
+        return (now - start) * 1e3
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         produced: list[tuple[Request, list[int]]] = []  # (request, its new tokens)

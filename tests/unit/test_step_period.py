@@ -1,0 +1,60 @@
+"""The cost the lagged planner learns per step is the step's period: a server's per-step work
+between two steps (streaming every request's output, its event loop holding the GIL) is paid
+once per step whatever the verify budget, so leaving it out makes every token look dearer
+than it is and the planner trims steps that host time, not the GPU, bounds."""
+
+import time
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.engine import llm_engine
+from dspark.testing.drafters import make_tiny_drafter
+
+GAP_S = 0.03
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("period_drafter")), tiny_qwen, seed=5)
+
+
+def test_observed_step_cost_spans_the_drivers_work_between_steps(tiny_qwen, drafter):
+    llm = LLM(tiny_qwen, device="cpu", speculative_config={
+        "model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "lagged"})
+    eng, spec = llm.engine, llm.engine.runner.spec
+    eng.stream_outputs = True
+    seen = []
+    observe = spec.observe_step_time
+    spec.observe_step_time = lambda ms, tokens, reqs: (seen.append(ms), observe(ms, tokens, reqs))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    time.sleep(0.2)  # idle before the requests arrive: no step's cost
+    for i in range(2):
+        eng.add_request(f"r{i}", {"prompt_token_ids": [5 + i, 9, 13, 2]}, params)
+    inside = []
+    while eng.has_unfinished_requests():
+        t0 = time.perf_counter()
+        eng.step()
+        inside.append((time.perf_counter() - t0) * 1e3)
+        time.sleep(GAP_S)  # the driver's per-step work
+    assert len(seen) == len(inside) >= 4
+    assert seen[0] <= inside[0] + 1.0  # the first step: no previous busy step
+    for got, own in zip(seen[1:], inside[1:], strict=True):
+        assert got >= own + GAP_S * 1e3 and got <= own + GAP_S * 1e3 + 50.0
+
+    # a pause longer than the cap, or an explicit idle, is not counted
+    seen.clear()
+    eng.add_request("r9", {"prompt_token_ids": [7, 7, 3]}, params)
+    t0 = time.perf_counter()
+    eng.step()
+    first = (time.perf_counter() - t0) * 1e3
+    time.sleep(llm_engine._MAX_GAP_S + 0.05)
+    t1 = time.perf_counter()
+    eng.step()
+    second = (time.perf_counter() - t1) * 1e3
+    eng.mark_idle()
+    time.sleep(GAP_S)
+    t2 = time.perf_counter()
+    eng.step()
+    third = (time.perf_counter() - t2) * 1e3
+    assert seen[0] <= first + 1.0 and seen[1] <= second + 1.0 and seen[2] <= third + 1.0
