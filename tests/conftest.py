@@ -6,6 +6,9 @@ import torch
 from dspark.testing.checkpoints import TinyShape, make_tiny_target
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# CUDA runs: engines of many tiny shapes would each compile every attention variant at
+# start-up; tests/kernels/test_attention_variants.py checks the warm-up itself
+os.environ.setdefault("DSPARK_ATTENTION_WARMUP", "0")
 
 # Shapes used by the parity tests: GQA ratios, tied/untied, odd head_dim, Llama-3 RoPE.
 SHAPES = {

@@ -142,7 +142,8 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.kv_caches = self.spec.drafter.new_kv_caches(
                 self.num_blocks, self.block_size, device)
-        if device.type == "cuda":  # kernel compiles now, not as ~1 s stalls under traffic
+        # kernel compiles now, not as ~1 s stalls under traffic (DSPARK_ATTENTION_WARMUP=0: off)
+        if device.type == "cuda" and os.environ.get("DSPARK_ATTENTION_WARMUP", "1") != "0":
             heads = model_cfg.num_attention_heads // self.tp.size
             n = self.backend.warmup(*self.kv_caches[0], heads)
             logger.info("attention kernels: %d launch variants compiled", n)

@@ -59,3 +59,45 @@ def test_warmup_runs_every_variant():
         pa.paged_attention = real
     assert n == len(pa.launch_variants(2, 16, 4)) == len(calls)
     assert {s for _, s in calls} == {1, 2, 4}
+
+
+def _compiled(kernel) -> int:
+    """Compiled variants of a Triton kernel (Triton 3.x keeps one cache per device)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no device_caches: cannot count compiled variants")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_compile_in_serving_after_warmup_on_cuda():
+    """After the warm-up, ragged batches of every kind (decode, verify, prefill, mixed; short
+    and long contexts; 1 to 300 rows) compile nothing new."""
+    torch.manual_seed(0)
+    page, kv_heads, heads, dim, blocks = 16, 8, 32, 128, 2048
+    k_cache = torch.randn(blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    TritonAttentionBackend().warmup(k_cache, v_cache, heads)
+    kernels = (pa._paged_attention_kernel, pa._combine_kernel)
+    before = [_compiled(k) for k in kernels]
+    for num_reqs, qlen, ctx in [(1, 1, 40), (1, 1, 3000), (3, 8, 900), (40, 1, 2000),
+                                (300, 1, 100), (2, 300, 500), (64, 8, 64), (5, 17, 1500)]:
+        q_lens = torch.randint(1, qlen + 1, (num_reqs,))
+        seq_lens = q_lens + torch.randint(0, ctx, (num_reqs,))
+        cu = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        cu[1:] = q_lens.cumsum(0)
+        tokens = int(cu[-1])
+        md = pa.AttentionMetadata(
+            query_start_loc=cu.cuda(), seq_lens=seq_lens.int().cuda(),
+            block_tables=torch.randint(1, blocks, (num_reqs, -(-ctx - qlen) // page + 1),
+                                       dtype=torch.int32, device="cuda"),
+            slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+            positions=torch.cat([torch.arange(int(s) - int(n), int(s))
+                                 for n, s in zip(q_lens, seq_lens)]).cuda(),
+            token_to_req=torch.repeat_interleave(torch.arange(num_reqs), q_lens).int().cuda(),
+            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), num_reqs=num_reqs,
+        )  # fmt: skip
+        q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+        out = pa.paged_attention(q, k_cache, v_cache, md, dim**-0.5)
+        assert torch.isfinite(out).all()
+    assert [_compiled(k) for k in kernels] == before
