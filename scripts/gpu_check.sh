@@ -13,6 +13,8 @@
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1..256 without 32)  -> $OUT/demo_e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
+#   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min)
+#           -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
 # "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels fits a 10-minute call).
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
@@ -26,7 +28,7 @@ STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }  # exact stage names, comma-separated
-if (has e2e || has synth || has demo_e2e) && [[ -d .whl ]] &&
+if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]] &&
    ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
 then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
@@ -95,6 +97,12 @@ if has synth; then
     --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
     --out /tmp/synth ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/synth.log" | tail -30
   pack synth
+fi
+if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_host_ceiling.py)
+  for args in "--policy none" "--policy fixed" "--policy none --device-ms 1"; do
+    CUDA_VISIBLE_DEVICES= python3 scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
+      2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"
+  done | tee "$OUT/ceiling.log"
 fi
 if has bench; then
   python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16
