@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--policy", default="fixed", choices=["none", "fixed", "lagged"])
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--stream", action="store_true",
+                    help="outputs with text for every request every step, as a server streams")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = None
@@ -74,6 +76,7 @@ def main() -> int:
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec)
     runner = llm.engine.runner
     sg = stub_device_work(runner)
+    llm.engine.stream_outputs = args.stream
     spent = collections.Counter()
 
     def timed(obj, name):
@@ -109,7 +112,8 @@ def main() -> int:
         steps += 1
     per_step = (time.perf_counter() - t0) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
-    print(f"policy {args.policy}, concurrency {args.concurrency}: {steps} decode steps, "
+    print(f"policy {args.policy}{', streaming' if args.stream else ''}, "
+          f"concurrency {args.concurrency}: {steps} decode steps, "
           f"{per_step:.0f} us of host work per step ({parts})")
     return 0
 

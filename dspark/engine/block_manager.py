@@ -82,6 +82,8 @@ class BlockManager:
         `cached_blocks` (from find_cached_prefix) are shared. Returns False, changing nothing,
         when there are not enough free blocks."""
         table = self.block_tables.get(req.request_id)
+        if table is not None and len(table) * self.block_size >= num_slots:
+            return True  # the hot case: a running request whose blocks already cover it
         cached = cached_blocks or []
         have = len(table) if table is not None else len(cached)
         need = self.blocks_needed(num_slots) - have

@@ -223,7 +223,7 @@ class LLMEngine:
 
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         produced: list[tuple[Request, list[int]]] = []  # (request, its new tokens)
-        now = time.time()
+        now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
         )):  # fmt: skip
@@ -249,15 +249,15 @@ class LLMEngine:
                 if self._check_stop(req, tok):
                     break
             self.stats["generation_tokens"] += len(new_tokens)
-            if req.is_finished:
+            finished = req.status.finished
+            if finished:
                 self.scheduler.running.remove(req)
                 self.block_manager.free(req)
                 self._release_slot(req)
             else:
-                spec = self.runner.spec
                 req.has_drafts = spec is not None and spec.drafts_row(i)
                 self.block_manager.cache_full_blocks(req)
-            if self.stream_outputs or req.is_finished:
+            if stream or finished:
                 produced.append((req, new_tokens))
         # text for every request at once (one batched decode), then the outputs
         self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
@@ -265,7 +265,8 @@ class LLMEngine:
 
     def _needs_text(self, req: Request) -> bool:
         # (a stop string has already fixed the text)
-        return (self.stream_outputs or req.is_finished) and not isinstance(req.stop_reason, str)
+        return (self.stream_outputs or req.status.finished) and not isinstance(
+            req.stop_reason, str)  # fmt: skip
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Called after each appended token (hot: once per generated token)."""
@@ -299,16 +300,17 @@ class LLMEngine:
 
     def _make_output(self, req: Request, new_tokens: list[int],
                      detokenized: bool = False) -> RequestOutput:
+        finished = req.status.finished
         if self._needs_text(req):
             if not detokenized:
                 self.detokenizer.update(req)
-            if req.is_finished and req.read_offset < req.num_output_tokens:
+            if finished and req.read_offset < req.num_output_tokens:
                 # flush a held-back tail (e.g. an incomplete character at the very end)
                 req.output_text = self.decode(req.output_token_ids)
-        finish = req.status.value if req.is_finished else None
+        finish = req.status.value if finished else None
         # per-request speculation stats are reported with the final output
-        spec = req.spec.as_dict() if self.runner.spec is not None and req.is_finished else None
-        if req.is_finished:
+        spec = req.spec.as_dict() if finished and self.runner.spec is not None else None
+        if finished:
             self.requests.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
@@ -317,7 +319,7 @@ class LLMEngine:
             outputs=[
                 CompletionOutput(0, req.output_text, req.output_token_ids, finish, req.stop_reason)
             ],
-            finished=req.is_finished,
+            finished=finished,
             metrics=RequestMetrics(
                 req.arrival_time, req.first_token_time, req.finished_time,
                 req.num_prompt_tokens, req.num_cached_tokens, req.num_preemptions,
