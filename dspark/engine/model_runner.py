@@ -145,8 +145,11 @@ class ModelRunner:
         # kernel compiles now, not as ~1 s stalls under traffic (DSPARK_ATTENTION_WARMUP=0: off)
         if device.type == "cuda" and os.environ.get("DSPARK_ATTENTION_WARMUP", "1") != "0":
             heads = model_cfg.num_attention_heads // self.tp.size
-            n = self.backend.warmup(*self.kv_caches[0], heads)
-            logger.info("attention kernels: %d launch variants compiled", n)
+            try:
+                n = self.backend.warmup(*self.kv_caches[0], heads)
+                logger.info("attention kernels: %d launch variants compiled", n)
+            except Exception:  # serving still works: variants then compile on first use
+                logger.exception("attention kernel warm-up failed")
         self.graphs = None
         self.step_graphs: StepGraphs | None = None
         # Collectives inside CUDA graphs are untested here: eager under tensor parallelism
