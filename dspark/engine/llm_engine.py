@@ -55,6 +55,7 @@ def load_tokenizer(path: str):
 
 _MAX_GAP_S = 0.1  # a longer gap between two steps is idling, not per-step work
 
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
