@@ -27,6 +27,10 @@ TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples
                      "cost_table_h200_small_bf16.json")  # fmt: skip
 
 
+# conditional acceptance per position of the trained pair at T=0 (BENCHMARKS.md, fourth session)
+PAIR_ACCEPTANCE = [0.76, 0.53, 0.51, 0.49, 0.73, 0.65, 0.78]
+
+
 def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> StepGraphs:
     """Route decode steps through the padded whole-step path with the device work replaced by a
     fixed answer (every row emits one token, or three when verifying); what remains is host
@@ -54,8 +58,14 @@ def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> S
         return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
                           torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip
 
+    spec = runner.spec
+
+    def drafter(rows, method):  # the drafts' confidences: the trained pair's acceptance
+        if spec is not None:
+            spec.conf.copy_(torch.tensor(PAIR_ACCEPTANCE[: spec.k]).expand_as(spec.conf))
+
     sg._step = fixed_answer
-    sg._draft = lambda rows, method: None
+    sg._draft = drafter
     return sg
 
 
@@ -72,7 +82,10 @@ def main() -> int:
     if args.policy != "none":
         spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7,
                 "adaptive_policy": args.policy, "cost_table_path": TABLE,
-                "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}  # fmt: skip
+                "confidence_calibration_path": f"{DEMO}/drafter/sts.json",
+                # the H200 table misprices this CPU's stubbed steps: always draft, as the
+                # policy does on the GPU at low load (fixed K is 2.2x no-spec there)
+                "draft_skipping": False}  # fmt: skip
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec)
     runner = llm.engine.runner
     sg = stub_device_work(runner)
@@ -105,6 +118,9 @@ def main() -> int:
     sched = llm.engine.scheduler
     while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
         llm.engine.step()  # the prefill chunks (they run the model: not timed)
+    if runner.spec is not None:  # from here on the drafts' confidences are the stub's
+        sg._draft(None, None)
+        runner.spec._copy_conf_to_host()
     spent.clear()
     steps, t0 = 0, time.perf_counter()
     while llm.engine.has_unfinished_requests():
