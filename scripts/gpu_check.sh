@@ -99,7 +99,8 @@ if has synth; then
   pack synth
 fi
 if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_host_ceiling.py)
-  for args in "--policy none" "--policy fixed" "--policy none --device-ms 1"; do
+  for args in "--policy none" "--policy fixed" "--policy none --device-ms 1" \
+      "--policy none --device-ms 1 --switch-interval-ms 0.5"; do
     CUDA_VISIBLE_DEVICES= python3 scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
       2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"
   done | tee "$OUT/ceiling.log"

@@ -47,12 +47,15 @@ def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> S
 
         runner.eager_forward = zeros
     sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
+    sg.wait_overshoot_ms = []
     if runner.spec is not None:
         runner.spec.graph_steps = runner.spec.graph_trims = True
 
     def fixed_answer(key):  # packed outputs: tokens, emitted, verified
-        if device_ms:
+        if device_ms:  # how late the thread resumes: GIL (or core) contention
+            t0 = time.perf_counter()
             time.sleep(device_ms / 1e3)
+            sg.wait_overshoot_ms.append((time.perf_counter() - t0) * 1e3 - device_ms)
         rows, width = key[1], sg.width(key[0])
         emitted = 1 if width == 1 else 3
         return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),

@@ -2,6 +2,8 @@
 AsyncLLMEngine thread) on the demo pair with the decode steps' device work replaced by a fixed
 answer (scripts/host_step_cost.py), driven by `dspark bench serve` over HTTP with streaming.
 Output tokens/s here is what the host alone allows; a GPU run cannot exceed it on this host.
+With `--device-ms`, each decode step sleeps (GIL released, as a device sync) and the report
+adds how late the engine thread resumes: the event loop holding the GIL, or no free core.
 The stub emits 3 tokens per verifying row and drafts nothing, so `lagged` (which plans from
 the drafts' confidences) is not representative; `none` and `fixed` are.
 
@@ -20,6 +22,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -89,14 +92,18 @@ def main() -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms)
     try:
+        waits = server.config.app.state.engine.engine.runner.step_graphs.wait_overshoot_ms
         for c in conc:
+            waits.clear()
             res = bench(url, c, args.tokens, os.path.join(tempfile.mkdtemp(), "r.json"))
             r = res["results"][0]
             assert r["completed"] == c and r["itl_ms"]["p50"] is not None, r  # streamed
+            late = (f", device-wait overshoot p50 {np.median(waits):.2f} / p90 "
+                    f"{np.percentile(waits, 90):.2f} ms") if waits else ""
             print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}, "
                   f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "
-                  f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms",
-                  flush=True)  # fmt: skip
+                  f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms"
+                  f"{late}", flush=True)  # fmt: skip
     finally:
         server.should_exit = True
         thread.join(timeout=10)
