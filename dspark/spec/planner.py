@@ -57,17 +57,26 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> n
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
     k = int(caps.max(initial=0))
-    conf = np.full((num_reqs, k), np.nan)
-    if stale_conf is not None:
-        s = np.asarray(stale_conf, dtype=np.float64)
-        if s.ndim == 1:
-            s = s[None, :]
-        rows, cols = min(num_reqs, s.shape[0]), min(k, s.shape[1])
-        conf[:rows, :cols] = s[:rows, :cols]
-    conf = np.clip(np.where(np.isnan(conf), prior_conf, conf), 0.0, 1.0)
-    surv = np.cumprod(conf, axis=1)
-    valid = np.arange(k)[None, :] < caps[:, None]
-    return -np.sort(-surv[valid])
+    s = None if stale_conf is None else np.asarray(stale_conf, dtype=np.float64)
+    if s is not None and s.ndim == 2 and s.shape[0] >= num_reqs and s.shape[1] >= k:
+        conf = s[:num_reqs, :k]  # every row known (hot path: every lagged step)
+        if prior_conf == 1.0:  # fmin drops NaN: unknown -> 1.0, then clipped (two calls)
+            conf = np.fmax(np.fmin(conf, 1.0), 0.0)
+        else:
+            conf = np.where(np.isnan(conf), prior_conf, conf)
+    else:  # rows or columns missing: the prior fills them
+        conf = np.full((num_reqs, k), np.nan)
+        if s is not None:
+            if s.ndim == 1:
+                s = s[None, :]
+            rows, cols = min(num_reqs, s.shape[0]), min(k, s.shape[1])
+            conf[:rows, :cols] = s[:rows, :cols]
+        conf = np.where(np.isnan(conf), prior_conf, conf)
+    surv = np.cumprod(np.clip(conf, 0.0, 1.0, out=conf), axis=1)
+    flat = surv.reshape(-1) if num_reqs == 0 or caps.min() == k else surv[
+        np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
+    flat.sort()
+    return flat[::-1]
 
 
 def plan_budget_lagged(

@@ -326,3 +326,29 @@ def test_plan_cpu_reads_confidences_only_when_a_trim_could_pay():
     assert p.plan_cpu(stale, np.array([3, 3]), 0, 2) == plan_budget_lagged(
         conf, np.array([3, 3]), 0, 2, steep).budget  # fmt: skip
     assert calls == [1]
+
+
+def test_stale_survivals_fast_path_matches_the_general_one():
+    """Stale confidences covering every row take a shorter path (hot: every lagged step);
+    it must give the general path's sorted survivals, NaN (unknown) entries and ragged
+    capacities included."""
+    from dspark.spec.planner import _stale_survivals
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        r, k = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+        caps = rng.integers(0, k + 1, r)
+        caps[rng.integers(r)] = k
+        conf = rng.uniform(-0.2, 1.2, (r + int(rng.integers(0, 3)), k + int(rng.integers(0, 2))))
+        conf[rng.uniform(size=conf.shape) < 0.1] = np.nan
+        prior = 1.0 if rng.uniform() < 0.5 else float(rng.uniform())  # 1.0: the default
+        # the general path, as a reference: the prior for unknowns, clip, survivals, sort
+        c = np.clip(np.where(np.isnan(conf[:r, :k]), prior, conf[:r, :k]), 0.0, 1.0)
+        surv = np.cumprod(c, axis=1)
+        want = np.sort(surv[np.arange(k)[None, :] < caps[:, None]])[::-1]
+        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior), want)
+        # rows missing: the general path, with the prior for the missing rows
+        got = _stale_survivals(conf[: r - 1], caps, prior)
+        c2 = np.vstack([c[: r - 1], np.full((1, k), min(max(prior, 0.0), 1.0))])
+        want2 = np.sort(np.cumprod(c2, axis=1)[np.arange(k)[None, :] < caps[:, None]])[::-1]
+        np.testing.assert_array_equal(got, want2)
