@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rows", type=int, default=14)
+    ap.add_argument("--table-concurrency", type=int, default=None,
+                    help="concurrency of the kernel tables (default: the first of --concurrency)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU (no graphs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -70,8 +72,9 @@ def main() -> int:
             tok_s, step_ms = run_generate(engine, c, 512, args.output_len)
             lines.append(f"{label:<11} c={c:<4} {tok_s:9.1f} tok/s  decode step {step_ms:6.2f} ms")
             print(lines[-1], flush=True)
-        table = kernel_table(engine, label, conc[0], 512, args.rows)
-        tables.append(f"### {label}, c={conc[0]}\n{table}")
+        tc = args.table_concurrency or conc[0]
+        table = kernel_table(engine, label, tc, 512, args.rows)
+        tables.append(f"### {label}, c={tc}\n{table}")
     runner.step_graphs = whole
     text = "\n".join(tables + lines)
     with open(os.path.join(args.out, "diag_step_paths.txt"), "w") as f:
