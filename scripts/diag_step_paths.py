@@ -32,7 +32,10 @@ def kernel_table(engine, tag: str, conc: int, prompt_len: int, rows: int) -> str
     for i in range(conc):
         ids = [5 + (i + j) % 100 for j in range(prompt_len)]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
-    for _ in range(4):  # prefill and the first decode steps, outside the profile
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        engine.step()  # the prefill chunks, outside the profile
+    for _ in range(2):  # and the first decode steps
         engine.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
