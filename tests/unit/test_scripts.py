@@ -136,3 +136,13 @@ def test_server_host_ceiling_streams_every_step():
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("policy lagged, concurrency 4:") and "TPOT p50" in line
     assert float(line.split()[4]) > 0  # output tok/s
+
+
+def test_plan_cost():
+    proc = subprocess.run(
+        [sys.executable, "scripts/plan_cost.py", "--concurrency", "2", "--repeats", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("2 requests") and all(k in line for k in ("plan", "bound", "search"))

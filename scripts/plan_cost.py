@@ -1,0 +1,89 @@
+"""Host cost of the lagged policy's planning (`SpecDecoder.plan`) per step, without a GPU:
+the demo pair with its device work stubbed (scripts/host_step_cost.py) runs a few decode
+steps with drafting on, then one packed step is planned repeatedly and timed, with the
+parts: the stale-confidence read, the exact no-trim bound, the budget search.
+
+    python3 scripts/plan_cost.py --concurrency 1,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from host_step_cost import DEMO, TABLE, stub_device_work  # noqa: E402
+
+import dspark.engine.model_runner as mr  # noqa: E402
+from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.spec import planner as pl  # noqa: E402
+
+
+def per_call_us(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def measure(num_reqs: int, repeats: int) -> str:
+    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7, "adaptive_policy": "lagged",
+            "cost_table_path": TABLE, "confidence_calibration_path": f"{DEMO}/drafter/sts.json",
+            "draft_skipping": False}  # fmt: skip
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max(num_reqs, 2),
+              speculative_config=spec)  # fmt: skip
+    sg, sd = stub_device_work(llm.engine.runner), llm.engine.runner.spec
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for i in range(num_reqs):
+        llm.engine.add_request(f"r{i}", {"prompt_token_ids": list(range(100 + i, 132 + i))},
+                               params)  # fmt: skip
+    sched = llm.engine.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        llm.engine.step()
+    sg._draft(None, None)  # the stub's confidences from here on
+    sd._copy_conf_to_host()
+    packed = []
+    pack = mr.pack_step
+    mr.pack_step = lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1]
+    try:
+        for _ in range(3):
+            llm.engine.step()
+    finally:
+        mr.pack_step = pack
+    host = packed[-1]
+    rows = host.per_row()
+    caps, slots = rows[1], rows[4]
+    stale, cost = sd._stale(slots), sd.planner.cost
+    total = int(caps.sum())
+    settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
+    parts = {
+        "plan": per_call_us(lambda: sd.plan(host), repeats),
+        "stale read": per_call_us(lambda: sd._stale(slots), repeats),
+        "bound": per_call_us(lambda: sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0),
+                             repeats),  # fmt: skip
+        "search": per_call_us(lambda: pl.plan_budget_lagged(stale, caps, 0, caps.size, cost),
+                              repeats),  # fmt: skip
+    }
+    return (f"{num_reqs} requests (bound settles: {settled}): "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in parts.items()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--repeats", type=int, default=2000)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for c in (int(x) for x in args.concurrency.split(",")):
+        print(measure(c, args.repeats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
