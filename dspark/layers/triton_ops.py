@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from dspark.triton_jit import unspecialized
+
 # DSPARK_FUSED_OPS=0 keeps the torch code everywhere (dispatch: norm.fused_ops).
 ENABLED = os.environ.get("DSPARK_FUSED_OPS", "1").lower() not in ("0", "false", "off", "no")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -83,7 +85,7 @@ def _cos_sin(x):
         return libdevice.cos(x), libdevice.sin(x)
 
 
-@triton.jit(do_not_specialize=["inner"])
+@triton.jit(**unspecialized("inner"))
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     inner, stride_xo, stride_xi, stride_ro, stride_ri, eps, inv_n,
@@ -140,7 +142,7 @@ def _norm_rope_heads(
     tl.store(out + HALF, _cast(o2, dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(**unspecialized("pos_ptr"))  # positions: a view into the packed step buffer
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, eps_q, eps_k, inv_d,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.triton_jit import unspecialized
+
 _BLOCK = 1024
 
 
@@ -40,7 +42,7 @@ def _absorb(h, key, FIRST: tl.constexpr):
     return _mix32(h ^ _mix32((hi + 0x9E3779B9) & 0xFFFFFFFF))
 
 
-@triton.jit(do_not_specialize=["n", "purpose"])  # one compiled variant for every batch
+@triton.jit(**unspecialized("seed_ptr", "pos_ptr", "round_ptr", "n", "purpose"))
 def _uniform_kernel(seed_ptr, pos_ptr, round_ptr, out_ptr, n, purpose, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

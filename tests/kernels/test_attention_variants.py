@@ -72,7 +72,8 @@ def _compiled(kernel) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_compile_in_serving_after_warmup_on_cuda():
     """After the warm-up, ragged batches of every kind (decode, verify, prefill, mixed; short
-    and long contexts; 1 to 300 rows) compile nothing new."""
+    and long contexts; 1 to 300 rows; odd token counts; a misaligned positions view) compile
+    nothing new."""
     torch.manual_seed(0)
     page, kv_heads, heads, dim, blocks = 16, 8, 32, 128, 2048
     k_cache = torch.randn(blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -92,8 +93,10 @@ def test_no_compile_in_serving_after_warmup_on_cuda():
             block_tables=torch.randint(1, blocks, (num_reqs, -(-ctx - qlen) // page + 1),
                                        dtype=torch.int32, device="cuda"),
             slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"),
-            positions=torch.cat([torch.arange(int(s) - int(n), int(s))
-                                 for n, s in zip(q_lens, seq_lens)]).cuda(),
+            # a view 8 bytes into a buffer, as the packed step's positions can be
+            positions=torch.cat([torch.zeros(1, dtype=torch.int64)] + [
+                torch.arange(int(s) - int(n), int(s)) for n, s in zip(q_lens, seq_lens)
+            ]).cuda()[1:],
             token_to_req=torch.repeat_interleave(torch.arange(num_reqs), q_lens).int().cuda(),
             max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), num_reqs=num_reqs,
         )  # fmt: skip

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata
+from dspark.triton_jit import unspecialized
 
 LSE_EMPTY = -1.0e30  # log-sum-exp written by a split that saw no key
 LOG2E = 1.4426950408889634
@@ -134,7 +135,7 @@ def _store_result(
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+@triton.jit(**unspecialized("num_reqs", "num_tokens", "positions_ptr"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, positions_ptr, block_tables_ptr,
@@ -194,7 +195,7 @@ def _paged_attention_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(**unspecialized("num_tokens"))
 def _combine_kernel(
     part_o_ptr,  # [S, N, H, D] fp32, normalised per split
     part_lse_ptr,  # [S, N, H] fp32, base-2 log-sum-exp (LSE_EMPTY for empty splits)
