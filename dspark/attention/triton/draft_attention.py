@@ -32,7 +32,7 @@ from dspark.attention.triton.paged_attention import (
 from dspark.triton_jit import unspecialized
 
 
-@triton.jit(**unspecialized("num_tokens"))
+@triton.jit(**unspecialized("num_tokens", "stride_bt"))
 def _draft_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     ctx_lens_ptr, block_tables_ptr, sm_scale_log2, num_tokens,

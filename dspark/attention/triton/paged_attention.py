@@ -135,7 +135,7 @@ def _store_result(
         tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit(**unspecialized("num_reqs", "num_tokens", "positions_ptr"))
+@triton.jit(**unspecialized("num_reqs", "num_tokens", "positions_ptr", "stride_bt"))
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, positions_ptr, block_tables_ptr,
