@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from gpu_bench import TINY, make_engine, run_generate  # noqa: E402
+from host_step_cost import prefill_all  # noqa: E402
 
 
 def kernel_table(engine, tag: str, conc: int, prompt_len: int, rows: int) -> str:
@@ -32,9 +33,7 @@ def kernel_table(engine, tag: str, conc: int, prompt_len: int, rows: int) -> str
     for i in range(conc):
         ids = [5 + (i + j) % 100 for j in range(prompt_len)]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
-    sched = engine.scheduler
-    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        engine.step()  # the prefill chunks, outside the profile
+    prefill_all(engine)  # outside the profile
     for _ in range(2):  # and the first decode steps
         engine.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

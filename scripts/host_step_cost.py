@@ -31,6 +31,31 @@ TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples
 PAIR_ACCEPTANCE = [0.76, 0.53, 0.51, 0.49, 0.73, 0.65, 0.78]
 
 
+def demo_spec(policy: str, always_draft: bool = True) -> dict | None:
+    """The demo drafter's speculative config (K=7, the H200 small-model cost table, its STS
+    file); None for policy "none". `always_draft`: the H200 table misprices this CPU's stubbed
+    steps, so drafting-skipping is off, as the policy behaves on the GPU at low load (fixed K
+    is 2.2x no-spec there)."""
+    if policy == "none":
+        return None
+    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7, "adaptive_policy": policy,
+            "cost_table_path": TABLE, "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}
+    if always_draft:
+        spec["draft_skipping"] = False
+    return spec
+
+
+def prefill_all(engine, stub: StepGraphs | None = None) -> None:
+    """Step until every request is past its prefill (prefill chunks run the model). With
+    `stub` (from stub_device_work), the drafts' confidences are the stub's from then on."""
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        engine.step()
+    if stub is not None and engine.runner.spec is not None:
+        stub._draft(None, None)
+        engine.runner.spec._copy_conf_to_host()
+
+
 def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> StepGraphs:
     """Route decode steps through the padded whole-step path with the device work replaced by a
     fixed answer (every row emits one token, or three when verifying); what remains is host
@@ -81,15 +106,8 @@ def main() -> int:
                     help="outputs with text for every request every step, as a server streams")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    spec = None
-    if args.policy != "none":
-        spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7,
-                "adaptive_policy": args.policy, "cost_table_path": TABLE,
-                "confidence_calibration_path": f"{DEMO}/drafter/sts.json",
-                # the H200 table misprices this CPU's stubbed steps: always draft, as the
-                # policy does on the GPU at low load (fixed K is 2.2x no-spec there)
-                "draft_skipping": False}  # fmt: skip
-    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec)
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256,
+              speculative_config=demo_spec(args.policy))  # fmt: skip
     runner = llm.engine.runner
     sg = stub_device_work(runner)
     llm.engine.stream_outputs = args.stream
@@ -118,12 +136,7 @@ def main() -> int:
                for i in range(args.concurrency)]  # fmt: skip
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, params)
-    sched = llm.engine.scheduler
-    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        llm.engine.step()  # the prefill chunks (they run the model: not timed)
-    if runner.spec is not None:  # from here on the drafts' confidences are the stub's
-        sg._draft(None, None)
-        runner.spec._copy_conf_to_host()
+    prefill_all(llm.engine, sg)  # not timed
     spent.clear()
     steps, t0 = 0, time.perf_counter()
     while llm.engine.has_unfinished_requests():

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from host_step_cost import DEMO, TABLE, stub_device_work  # noqa: E402
+from host_step_cost import DEMO, demo_spec, prefill_all, stub_device_work  # noqa: E402
 
 import dspark.engine.model_runner as mr  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
@@ -33,21 +33,14 @@ def per_call_us(fn, n: int) -> float:
 
 
 def measure(num_reqs: int, repeats: int) -> str:
-    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7, "adaptive_policy": "lagged",
-            "cost_table_path": TABLE, "confidence_calibration_path": f"{DEMO}/drafter/sts.json",
-            "draft_skipping": False}  # fmt: skip
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max(num_reqs, 2),
-              speculative_config=spec)  # fmt: skip
+              speculative_config=demo_spec("lagged"))  # fmt: skip
     sg, sd = stub_device_work(llm.engine.runner), llm.engine.runner.spec
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for i in range(num_reqs):
         llm.engine.add_request(f"r{i}", {"prompt_token_ids": list(range(100 + i, 132 + i))},
                                params)  # fmt: skip
-    sched = llm.engine.scheduler
-    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        llm.engine.step()
-    sg._draft(None, None)  # the stub's confidences from here on
-    sd._copy_conf_to_host()
+    prefill_all(llm.engine, sg)
     packed = []
     pack = mr.pack_step
     mr.pack_step = lambda *a, **k: packed.append(pack(*a, **k)) or packed[-1]

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from host_step_cost import DEMO, TABLE, stub_device_work  # noqa: E402
+from host_step_cost import DEMO, demo_spec, stub_device_work  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -40,12 +40,8 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
     from dspark.engine.async_engine import AsyncLLMEngine
     from dspark.server.api import build_app
 
-    spec = None
-    if policy != "none":
-        spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 7,
-                "adaptive_policy": policy, "cost_table_path": TABLE,
-                "confidence_calibration_path": f"{DEMO}/drafter/sts.json"}  # fmt: skip
-    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs, speculative_config=spec,
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs,
+              speculative_config=demo_spec(policy, always_draft=False),
               max_num_batched_tokens=16384)  # fmt: skip
     stub_device_work(llm.engine.runner, prefill=True, device_ms=device_ms)
     llm.engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
