@@ -2,8 +2,10 @@
 AsyncLLMEngine thread) on the demo pair with the decode steps' device work replaced by a fixed
 answer (scripts/host_step_cost.py), driven by `dspark bench serve` over HTTP with streaming.
 Output tokens/s here is what the host alone allows; a GPU run cannot exceed it on this host.
-With `--device-ms`, each decode step sleeps (GIL released, as a device sync) and the report
-adds how late the engine thread resumes: the event loop holding the GIL, or no free core.
+With `--device-ms`, each decode step's results are ready that long after its launch (the
+host's work meanwhile overlaps it, the rest is a sleep with the GIL released, as a device
+sync) and the report adds how late the engine thread resumes: the event loop holding the
+GIL, or no free core.
 The stub emits 3 tokens per verifying row and drafts nothing, so `lagged` (which plans from
 the drafts' confidences) is not representative; `none` and `fixed` are.
 
@@ -77,7 +79,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device-ms", type=float, default=0.0,
-                    help="each decode step waits this long with the GIL released (a device sync)")
+                    help="each decode step's results are ready this long after its launch "
+                         "(a device; the wait releases the GIL)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (default: Python's 5 ms)")
     ap.add_argument("--tokenless", action="store_true", help="no tokenizer (token-id chunks)")

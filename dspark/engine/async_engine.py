@@ -4,6 +4,9 @@
     add_request() --inbox--> [ between steps: apply adds / aborts ] -> step() -> dispatch
     RequestStream  <--loop.call_soon_threadsafe(batch of outputs)--------------'
 
+(step() hands each batch of outputs to dispatch as soon as it is built: a step's outputs are
+built and delivered while the next step runs on the device.)
+
 The engine thread alone touches the LLMEngine. The event loop only puts commands into the
 inbox and reads per-request asyncio queues, so a slow client never delays a step and a long
 step never delays HTTP. If step() raises, the engine is marked dead: every in-flight stream
@@ -100,6 +103,7 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        engine.on_outputs = self._dispatch  # called in the engine thread, inside step()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread

@@ -334,7 +334,7 @@ def worker_loop(runner) -> None:
         if op == OP_SHUTDOWN:
             return
         if op == OP_STEP:
-            runner.run_step(host, args[1] if args[0] else None)
+            runner.run_step(host, args[1] if args[0] else None)()
         elif op == OP_PROFILE:
             max_tokens, context_len, repeats, warmup = args
             runner.profile_cost(max_tokens or None, context_len, repeats, warmup)

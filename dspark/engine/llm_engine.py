@@ -104,6 +104,9 @@ class LLMEngine:
         gc.freeze()
         # end of the last step while busy; None after idling (see _step_period_ms)
         self._last_step_end: float | None = None
+        # (request, new tokens) committed by the last step whose outputs are not built yet
+        self._unbuilt: list[tuple[Request, list[int]]] = []
+        self.on_outputs = None  # a callable taking each batch of outputs, or None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -169,8 +172,15 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a token id list or a dict, got {prompt!r}")
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request; no output of it comes out after this (not even one of an earlier
+        step that is not built yet)."""
         req = self.requests.get(request_id)
-        if req is None or req.is_finished:
+        if req is None:
+            return
+        if self._unbuilt:
+            self._unbuilt = [(r, toks) for r, toks in self._unbuilt if r is not req]
+        if req.is_finished:  # finished, its output dropped just now
+            self.requests.pop(request_id, None)
             return
         self.scheduler.abort(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -178,10 +188,15 @@ class LLMEngine:
         self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # (outputs not yet built count: a step() call delivers them)
+        return self.scheduler.has_unfinished() or bool(self._unbuilt)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step. Returns the outputs of the *previous* step while work remains (they
+        are built while this step's device work runs) and this step's own when nothing is
+        left to schedule; `on_outputs`, when set, receives each batch as soon as it is built
+        instead (step() then returns [])."""
         t0 = time.perf_counter()
         try:
             return self._step()
@@ -195,18 +210,39 @@ class LLMEngine:
         for req in sched.preempted:
             self._release_slot(req)
         if sched.is_empty:
-            return []
+            return self._deliver_outputs()
         for row in sched.rows:
             if row.req.slot < 0:
                 row.req.slot = self._free_slots.pop()
         tables = self.block_tables.rows([r.req for r in sched.rows])
-        result = self.runner.execute(sched, tables)
+        wait = self.runner.launch(sched, tables)
+        # CPU/GPU overlap: the previous step's outputs (text, output objects, the driver's
+        # delivery) are built while this step runs on the device. Safe because that work
+        # reads only request state fixed by the previous commit and touches nothing the
+        # device reads; this step's commit comes after it.
+        outputs = self._deliver_outputs()
+        result = wait()
         self.stats["steps"] += 1
-        outputs = self._commit(sched, result)
+        self._unbuilt = self._commit(sched, result)
+        if not self.scheduler.has_unfinished():  # nothing to overlap with: deliver now
+            outputs += self._deliver_outputs()
         period_ms = self._step_period_ms(t0)
         if self.runner.spec is not None:  # the whole step, host work included, is the cost
             self.runner.spec.observe_step_time(period_ms, result.num_tokens, len(sched.rows))
         return outputs
+
+    def _deliver_outputs(self) -> list[RequestOutput]:
+        """Build the outputs of the last commit; hand them to `on_outputs` if set."""
+        produced, self._unbuilt = self._unbuilt, []
+        if not produced:
+            return []
+        # text for every request at once (one batched decode), then the outputs
+        self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
+        outputs = [self._make_output(req, toks, detokenized=True) for req, toks in produced]
+        if self.on_outputs is None:
+            return outputs
+        self.on_outputs(outputs)
+        return []
 
     def mark_idle(self) -> None:
         """The driver waits for work now: the time until the next step is no step's cost."""
@@ -222,8 +258,11 @@ class LLMEngine:
         start = t0 if last is None or t0 - last > _MAX_GAP_S else last
         return (now - start) * 1e3
 
-    def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        produced: list[tuple[Request, list[int]]] = []  # (request, its new tokens)
+    def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[tuple[Request, list]]:
+        """Apply a step's results to the requests (tokens, stops, freed blocks and slots).
+        Returns (request, its new tokens) for each output to build: every sampling row's
+        when streaming, else the finished ones'."""
+        produced: list[tuple[Request, list[int]]] = []
         now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
@@ -260,9 +299,7 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(req)
             if stream or finished:
                 produced.append((req, new_tokens))
-        # text for every request at once (one batched decode), then the outputs
-        self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
-        return [self._make_output(req, toks, detokenized=True) for req, toks in produced]
+        return produced
 
     def _needs_text(self, req: Request) -> bool:
         # (a stop string has already fixed the text)

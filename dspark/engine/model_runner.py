@@ -265,6 +265,14 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray) -> StepResult:
+        """Run one step and wait for its results."""
+        return self.launch(sched, block_tables)()
+
+    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray):
+        """Queue one step's device work and return `wait`, which blocks until the emitted
+        tokens are on the host and returns the StepResult. The host may work between the two
+        (the engine builds the previous step's outputs); the next launch comes after `wait`.
+        On the CPU, and under tensor parallelism, the work is done when this returns."""
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
@@ -272,25 +280,36 @@ class ModelRunner:
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
         if key is not None:  # the whole device half as (at most) two graph replays
             try:
-                out = self.step_graphs.run(host, key, plan)
+                wait_graph = self.step_graphs.start(host, key, plan)
             except CaptureFailed:
                 pass  # logged; the step runs on the per-phase path below
             else:
                 width = self.step_graphs.width(key[0])
-                return self._unpack(out, len(rows), key[1], width, rows, host.get("num_tokens"))
+                num_tokens = host.get("num_tokens")
+                return lambda: self._unpack(wait_graph(), len(rows), key[1], width, rows,
+                                            num_tokens)  # fmt: skip
         if self.world is None:
-            result = self.run_step(host, plan)
+            wait_step = self.run_step(host, plan)
         else:
             with self.world.step_guard():
                 self.world.send_step(host, plan)  # the workers run the same step
-                result = self.run_step(host, plan)
-        host_out, inp, width = result
-        return self._unpack(host_out, inp.num_reqs, inp.num_reqs, width, rows, inp.num_tokens)
+                result = self.run_step(host, plan)()
+
+                def wait_step():
+                    return result
+
+        def wait() -> StepResult:
+            host_out, inp, width = wait_step()
+            return self._unpack(host_out, inp.num_reqs, inp.num_reqs, width, rows,
+                                inp.num_tokens)  # fmt: skip
+
+        return wait
 
     @torch.inference_mode()
     def run_step(self, host: HostStep, plan: int | None):
-        """The device half of a step (every tensor-parallel rank, in lockstep). Returns, on
-        rank 0, (host copy of the packed outputs, inputs, output width)."""
+        """The device half of a step (every tensor-parallel rank, in lockstep): queues it and
+        returns `wait`, which on rank 0 returns (host copy of the packed outputs, inputs,
+        output width) once they are on the host, and None on the other ranks."""
         draft_buf = self.spec.draft_tokens if self.spec is not None else None
         inp = upload_step(host, self.device, draft_buf)
         if self.spec is not None:
@@ -318,11 +337,14 @@ class ModelRunner:
                 self.world.agree_drafts(self.spec, inp.slots)
                 if self.world.check:
                     self.world.check_same("verify lengths", inp.lengths)
-        if done is not None:
-            done.synchronize()
-        if host_out is None:
-            return None
-        return host_out.numpy(), inp, out.shape[1]
+        width = out.shape[1]
+
+        def wait():
+            if done is not None:
+                done.synchronize()
+            return None if host_out is None else (host_out.numpy(), inp, width)
+
+        return wait
 
     def forward(self, input_ids: torch.Tensor, md, num_tokens: int):
         """Target forward over a ragged stream: CUDA-graph replay when a bucket fits."""

@@ -121,9 +121,16 @@ class StepGraphs:
 
     # -- the step ------------------------------------------------------------------------------
     def run(self, host: HostStep, key: tuple, budget: int | None = None) -> np.ndarray:
-        """Run one step; returns the host copy of its packed outputs in bucket layout (see
-        `unpack_outputs`). Raises CaptureFailed when a graph first used here cannot be
-        captured (the caller runs the step on the per-phase path; nothing was committed)."""
+        """Run one step and wait for it (see `start`)."""
+        return self.start(host, key, budget)()
+
+    def start(self, host: HostStep, key: tuple, budget: int | None = None):
+        """Queue one step's device work; returns `wait`, which blocks until the step's packed
+        outputs are on the host and returns them in bucket layout (see `unpack_outputs`).
+        One step is in flight at a time: the pinned buffers and the copy event are reused by
+        the next `start`, which must come after this step's `wait`. Raises CaptureFailed when
+        a graph first used here cannot be captured (the caller runs the step on the
+        per-phase path; nothing was committed)."""
         family, rb, mode = key[:3]
         self.steps[key] = self.steps.get(key, 0) + 1
         lay = self._layout(key)
@@ -147,9 +154,13 @@ class StepGraphs:
             method = self.spec.draft_method(mode == "greedy")
             self._replay(("draft", rb, method), lambda: self._draft(rb, method))
             self.spec._copy_conf_to_host()
-        if done is not None:
-            done.synchronize()
-        return host_out.numpy()
+
+        def wait() -> np.ndarray:
+            if done is not None:
+                done.synchronize()
+            return host_out.numpy()
+
+        return wait
 
     def width(self, family: str) -> int:
         """Tokens per row in the packed outputs: K+1 when verifying (synthetic acceptance

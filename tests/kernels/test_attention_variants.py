@@ -39,9 +39,11 @@ def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim):
 
 
 def test_warmup_runs_every_variant():
+    # the interpreter on CPU; compiled kernels (which need device tensors) on a GPU machine
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(6, 16, 2, 16, generator=gen)  # [blocks, page, Hkv, D]
-    v_cache = torch.randn(6, 16, 2, 16, generator=gen)
+    k_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)  # [blocks, page, Hkv, D]
+    v_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)
     backend = TritonAttentionBackend(max_splits=4, min_split_len=16)
     calls = []
     real = pa.paged_attention

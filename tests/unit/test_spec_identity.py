@@ -116,13 +116,13 @@ def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter)
     llm = LLM(tiny_qwen, device="cpu", block_size=4, max_model_len=40, speculative_config=spec)
     runner = llm.engine.runner
     widest = []
-    execute = runner.execute
+    launch = runner.launch  # every step the engine runs starts here
 
     def spy(sched, tables):
         widest.append(max(len(t) for t in tables))
-        return execute(sched, tables)
+        return launch(sched, tables)
 
-    runner.execute = spy
+    runner.launch = spy
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(1, 31))}], params)
     assert max(widest) > -(-40 // 4) + 1  # past the old max_model_len-only sizing
