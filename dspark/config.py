@@ -133,6 +133,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.25
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
+    # schedule step N+1 while step N runs on the device (engines without speculation)
+    async_scheduling: bool = True
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is sharded over
     speculative_config: SpeculativeConfig | None = None

@@ -61,9 +61,9 @@ def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> S
     fixed answer (every row emits one token, or three when verifying); what remains is host
     work. Prefill steps still run the model's tail (logits, sampling, drafting); with
     `prefill` its layers are skipped too (the hidden states are zeros). `device_ms`: each
-    decode step's results are ready that long after its launch; the host's work in between
-    (the previous step's outputs) overlaps it, the rest is a wait with the GIL released, as a
-    device sync is."""
+    decode step occupies a device for that long, from its launch or the end of the previous
+    step's; the host's work meanwhile overlaps it, the rest is a wait with the GIL released,
+    as a device sync is."""
     if prefill:
         d, n_aux = runner.model.embed_tokens.weight.shape[1], len(runner.aux_layer_ids)
 
@@ -84,11 +84,13 @@ def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> S
         return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
                           torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip
 
-    if device_ms:  # the "device" runs from launch to device_ms later, as a GPU would
+    if device_ms:  # a "device" that runs each step for device_ms, one after the other
         start = sg.start
+        device_free = [0.0]  # when the device finishes the last step launched
 
         def start_with_device_time(host, key, budget=None):
-            ready = time.perf_counter() + device_ms / 1e3
+            ready = max(time.perf_counter(), device_free[0]) + device_ms / 1e3
+            device_free[0] = ready
             wait = start(host, key, budget)
 
             def wait_for_device():

@@ -260,11 +260,10 @@ class AsyncLLMEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                steps = eng.stats["steps"]
                 outputs = eng.step()
                 self._dispatch(outputs)
                 self._maybe_snapshot()
-                if eng.stats["steps"] == steps and not outputs:
+                if eng.idle and not outputs:
                     eng.mark_idle()
                     self._wake.wait(0.005)  # nothing schedulable: do not spin
                     self._wake.clear()

@@ -130,7 +130,7 @@ class BlockManager:
             return
         hashes = self.block_hashes[req.request_id]
         bs = self.block_size
-        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        num_full = min(req.num_computed_tokens, len(req.token_ids)) // bs  # committed only
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             h = self._chain_hash(parent, req, i)

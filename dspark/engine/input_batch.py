@@ -21,6 +21,10 @@ import torch
 from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata, compute_token_to_req
 from dspark.engine.scheduler import ScheduledRow
 
+# input id of a token sampled by the step still in flight (async scheduling): the device
+# takes it from the runner's last-sampled-token buffer (`resolve_pending`)
+PENDING_TOKEN = -1
+
 
 @dataclass
 class StepInputs:
@@ -144,6 +148,8 @@ def pack_step(
         req, p = r.req, r.req.params
         s, nd = req.num_computed_tokens, r.num_new_tokens - r.num_draft_slots
         toks += req.token_ids[s : s + nd]
+        if req.num_pending and s + nd > len(req.token_ids):  # sampled by the step in flight:
+            toks += [PENDING_TOKEN] * (s + nd - max(s, len(req.token_ids)))  # on the device
         per_row.append((r.num_new_tokens, r.num_draft_slots, s, r.samples, req.slot, req.seed,
                         req.round, p.top_k))  # fmt: skip
         per_row_f.append((p.temperature, p.top_p, p.min_p))
@@ -278,3 +284,17 @@ def finalize(
     qsl_end = inp.query_start_loc.long()[r + 1]
     idx = qsl_end - n_logits[r] + local
     inp.logits_indices = torch.where(tl < cu[-1], idx, torch.zeros_like(idx))
+
+
+def resolve_pending(input_ids: torch.Tensor, slot_of_token: torch.Tensor,
+                    last_tokens: torch.Tensor) -> torch.Tensor:
+    """Input ids with every PENDING_TOKEN replaced by the token its request's slot sampled last
+    (written by the previous step, earlier on the same stream)."""
+    return torch.where(input_ids == PENDING_TOKEN, last_tokens[slot_of_token], input_ids)
+
+
+def record_sampled(last_tokens: torch.Tensor, slots: torch.Tensor, samples: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    """last_tokens[slot] = the token each sampling row sampled (slots distinct, padding rows
+    on the scratch slot)."""
+    last_tokens[slots] = torch.where(samples, out[:, 0], last_tokens[slots])

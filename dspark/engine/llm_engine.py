@@ -107,6 +107,12 @@ class LLMEngine:
         # (request, new tokens) committed by the last step whose outputs are not built yet
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
+        # async scheduling (engines without drafts, one process): the step launched last and
+        # not yet committed, as (schedule, wait)
+        self.async_scheduling = (config.async_scheduling and self.runner.spec is None
+                                 and config.tensor_parallel_size == 1)  # fmt: skip
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self.idle = True  # whether the last step() neither launched nor committed a step
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -182,14 +188,15 @@ class LLMEngine:
         if req.is_finished:  # finished, its output dropped just now
             self.requests.pop(request_id, None)
             return
-        self.scheduler.abort(req)
+        self.scheduler.remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         self._release_slot(req)
         self.requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        # (outputs not yet built count: a step() call delivers them)
-        return self.scheduler.has_unfinished() or bool(self._unbuilt)
+        # (a step in flight and outputs not yet built count: a step() call finishes them)
+        return (self.scheduler.has_unfinished() or bool(self._unbuilt)
+                or self._in_flight is not None)  # fmt: skip
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -203,19 +210,28 @@ class LLMEngine:
         finally:
             self.stats["step_time_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def _step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:
             self._release_slot(req)
-        if sched.is_empty:
-            return self._deliver_outputs()
         for row in sched.rows:
             if row.req.slot < 0:
                 row.req.slot = self._free_slots.pop()
-        tables = self.block_tables.rows([r.req for r in sched.rows])
-        wait = self.runner.launch(sched, tables)
+        return sched
+
+    def _launch(self, sched: SchedulerOutput):
+        return self.runner.launch(sched, self.block_tables.rows([r.req for r in sched.rows]))
+
+    def _step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_ahead()
+        t0 = time.perf_counter()
+        sched = self._schedule()
+        self.idle = sched.is_empty
+        if sched.is_empty:
+            return self._deliver_outputs()
+        wait = self._launch(sched)
         # CPU/GPU overlap: the previous step's outputs (text, output objects, the driver's
         # delivery) are built while this step runs on the device. Safe because that work
         # reads only request state fixed by the previous commit and touches nothing the
@@ -230,6 +246,41 @@ class LLMEngine:
         if self.runner.spec is not None:  # the whole step, host work included, is the cost
             self.runner.spec.observe_step_time(period_ms, result.num_tokens, len(sched.rows))
         return outputs
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Async scheduling (no drafts): schedule and launch step N+1 while step N is still
+        on the device, then wait for N, commit it and deliver its outputs while N+1 runs, so
+        the device never waits for the host's scheduling, packing or commit.
+
+        Step N+1 is scheduled as if N's rows had advanced (`_advance`): a sampled token not
+        yet known is a PENDING_TOKEN input that the device takes from what N sampled. A
+        request that N finishes (a stop token) has a wasted row in N+1, dropped at its
+        commit; one that N finishes by length is not scheduled again. Blocks freed while a
+        step is in flight are only reused by later steps, which run after it on the same
+        stream."""
+        sched = self._schedule()
+        launched = None
+        if not sched.is_empty:
+            launched = (sched, self._launch(sched))
+            self._advance(sched)
+        previous, self._in_flight = self._in_flight, launched
+        self.idle = launched is None and previous is None
+        if previous is not None:
+            result = previous[1]()
+            self.stats["steps"] += 1
+            self._unbuilt += self._commit(previous[0], result)
+        return self._deliver_outputs()
+
+    @staticmethod
+    def _advance(sched: SchedulerOutput) -> None:
+        """What the next schedule must see of a launched step without drafts: every row
+        computes its new tokens and a sampling row's token is pending (its RNG round used)."""
+        for row in sched.rows:
+            req = row.req
+            req.num_computed_tokens += row.num_new_tokens
+            if row.samples:
+                req.num_pending += 1
+                req.round += 1
 
     def _deliver_outputs(self) -> list[RequestOutput]:
         """Build the outputs of the last commit; hand them to `on_outputs` if set."""
@@ -261,20 +312,31 @@ class LLMEngine:
     def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[tuple[Request, list]]:
         """Apply a step's results to the requests (tokens, stops, freed blocks and slots).
         Returns (request, its new tokens) for each output to build: every sampling row's
-        when streaming, else the finished ones'."""
+        when streaming, else the finished ones'. Under async scheduling the counters were
+        advanced at launch (`_advance`), and a request may have finished (stop token,
+        abort) or been preempted since."""
         produced: list[tuple[Request, list[int]]] = []
         now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
+        advanced = self.async_scheduling
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
         )):  # fmt: skip
             req = row.req
+            if req.is_finished:  # stopped or aborted while this step ran: a wasted row
+                continue
+            running = req.status is RequestStatus.RUNNING  # (not preempted meanwhile)
             if not row.samples:
-                req.num_computed_tokens += row.num_new_tokens
-                self.block_manager.cache_full_blocks(req)
+                if not advanced:
+                    req.num_computed_tokens += row.num_new_tokens
+                if running:
+                    self.block_manager.cache_full_blocks(req)
                 continue
             accepted = len(emitted) - 1
-            req.num_computed_tokens += row.num_non_draft_tokens + accepted
-            req.round += 1
+            if advanced:
+                req.num_pending -= 1
+            else:
+                req.num_computed_tokens += row.num_non_draft_tokens + accepted
+                req.round += 1
             if req.num_output_tokens == 0:
                 self.stats["prompt_tokens"] += req.num_prompt_tokens
             if drafted > 0:
@@ -291,12 +353,13 @@ class LLMEngine:
             self.stats["generation_tokens"] += len(new_tokens)
             finished = req.status.finished
             if finished:
-                self.scheduler.running.remove(req)
-                self.block_manager.free(req)
+                req.num_pending = 0  # a later step's token still in flight is dropped
+                self.scheduler.remove(req)  # from running (or waiting: preempted); freed
                 self._release_slot(req)
             else:
                 req.has_drafts = spec is not None and spec.drafts_row(i)
-                self.block_manager.cache_full_blocks(req)
+                if running:
+                    self.block_manager.cache_full_blocks(req)
             if stream or finished:
                 produced.append((req, new_tokens))
         return produced

@@ -24,7 +24,14 @@ import torch
 
 from dspark.attention.base import AttentionBackend
 from dspark.config import EngineConfig
-from dspark.engine.input_batch import HostStep, finalize, pack_step, upload_step
+from dspark.engine.input_batch import (
+    HostStep,
+    finalize,
+    pack_step,
+    record_sampled,
+    resolve_pending,
+    upload_step,
+)
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.engine.step_graph import CaptureFailed, StepGraphs
 from dspark.engine.step_layout import pack_outputs, unpack_outputs
@@ -131,6 +138,11 @@ class ModelRunner:
                 self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype,
                                         self.backend)  # fmt: skip
         self.aux_layer_ids = self.spec.aux_layer_ids if self.spec is not None else ()
+        # the token each request slot sampled last (the extra slot: padding rows), for the
+        # inputs of a step scheduled while the previous one is in flight (PENDING_TOKEN)
+        self.scratch_slot = config.max_num_seqs
+        self.last_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64,
+                                       device=device)  # fmt: skip
         self.num_blocks = self._num_kv_blocks()
         max_len = config.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
@@ -316,6 +328,8 @@ class ModelRunner:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
             finalize(inp, None, None, None)
+            row = inp.token_to_req.long().clamp(max=max(inp.num_reqs - 1, 0))
+            inp.input_ids = resolve_pending(inp.input_ids, inp.slots[row], self.last_tokens)
         hidden, aux = self.forward(inp.input_ids, inp.attn_metadata(), inp.num_tokens)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.spec is not None:
@@ -324,6 +338,7 @@ class ModelRunner:
                 out, num_out = self.world.agree_tokens(out, num_out)
         else:
             out, num_out = sample_step(logits, inp)
+            record_sampled(self.last_tokens, inp.slots, inp.samples, out)
         host_out, done = None, None
         if self.tp.rank == 0:
             packed = pack_outputs(out, num_out, inp.lengths)

@@ -124,6 +124,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
+        # sampled by a step still in flight (async scheduling): counted in num_tokens, the
+        # values are on the device until that step is committed (0 or 1)
+        self.num_pending = 0
         self.max_total_tokens = 1 << 62  # set by the engine: the length at which it finishes
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
         self.num_preemptions = 0
@@ -141,7 +144,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens of the sequence, pending ones included (token_ids holds the committed)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

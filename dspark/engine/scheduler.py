@@ -60,7 +60,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def abort(self, req: Request) -> None:
+    def remove(self, req: Request) -> None:
+        """Take a finished or aborted request out (running, or waiting after a preemption)
+        and free its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -90,6 +92,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_tokens >= req.max_total_tokens:  # its last token is still in flight
+                i += 1
+                continue
             wanted, drafts = self._num_wanted(req)
             num_new = min(wanted, budget)
             drafts = max(0, drafts - (wanted - num_new))  # fewer draft slots if over budget

@@ -39,7 +39,13 @@ import numpy as np
 import torch
 
 from dspark.attention.base import SENTINEL_SLOT
-from dspark.engine.input_batch import HostStep, StepInputs, finalize
+from dspark.engine.input_batch import (
+    HostStep,
+    StepInputs,
+    finalize,
+    record_sampled,
+    resolve_pending,
+)
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
@@ -65,17 +71,23 @@ class StepGraphs:
         biggest = Layout(self.buckets[-1], self.buckets[-1] * (1 + self.k), self.blocks)
         dev = runner.device
         pin = dev.type == "cuda"
-        self.host_buf = torch.zeros(biggest.size, dtype=torch.int64, pin_memory=pin)
+        # Two pinned input and output buffers, used by alternate steps: the engine may launch
+        # a step while the previous one is in flight (async scheduling), whose host->device
+        # copy may not have run yet and whose outputs are read after the launch.
+        self.host_bufs = [torch.zeros(biggest.size, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(2)]  # fmt: skip
         self.dev_buf = torch.zeros(biggest.size, dtype=torch.int64, device=dev)
         width = biggest.rows * (self.k + 3)  # [R, K+1] tokens, [R] emitted, [R] verified
-        self.host_out = torch.zeros(width, dtype=torch.int64, pin_memory=pin)
+        self.host_outs = [torch.zeros(width, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(2)]  # fmt: skip
+        self._parity = 0  # which of the two buffers the next step uses
         r = biggest.rows
         self.anchors = torch.zeros(r, dtype=torch.int64, device=dev)
         self.anchor_pos = torch.zeros(r, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
-        self._outputs_copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self._outputs_copied = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self.steps: dict[tuple, int] = {}  # steps run per key (observability, tests)
         self.failed: set[tuple] = set()  # keys whose capture failed: per-phase path
         self.alloc_ms: dict[int, float] = {}  # request bucket -> allocation device time
@@ -127,22 +139,25 @@ class StepGraphs:
     def start(self, host: HostStep, key: tuple, budget: int | None = None):
         """Queue one step's device work; returns `wait`, which blocks until the step's packed
         outputs are on the host and returns them in bucket layout (see `unpack_outputs`).
-        One step is in flight at a time: the pinned buffers and the copy event are reused by
-        the next `start`, which must come after this step's `wait`. Raises CaptureFailed when
-        a graph first used here cannot be captured (the caller runs the step on the
-        per-phase path; nothing was committed)."""
+        At most two steps are in flight: a step's pinned buffers and copy event are reused
+        two starts later, which must come after its `wait`. Raises CaptureFailed when a graph
+        first used here cannot be captured (the caller runs the step on the per-phase path;
+        nothing was committed)."""
         family, rb, mode = key[:3]
         self.steps[key] = self.steps.get(key, 0) + 1
         lay = self._layout(key)
-        fill_host(host, lay, self.host_buf.numpy(), self._scratch(), self.k, budget)
-        self.dev_buf[: lay.size].copy_(self.host_buf[: lay.size], non_blocking=True)
+        i = self._parity
+        host_buf = self.host_bufs[i]
+        fill_host(host, lay, host_buf.numpy(), self._scratch(), self.k, budget)
+        self.dev_buf[: lay.size].copy_(host_buf[: lay.size], non_blocking=True)
         if self.spec is not None:
             self.spec._no_drafts = family == "plain"
             self.spec.ran_as_graph = True
         packed = self._replay(key, lambda: self._step(key))
-        host_out = self.host_out[: rb * (self.width(family) + 2)]
+        self._parity = 1 - i  # (only once the step is queued: a failed capture keeps it)
+        host_out = self.host_outs[i][: rb * (self.width(family) + 2)]
         host_out.copy_(packed, non_blocking=True)
-        done = self._outputs_copied  # one event, re-recorded every step
+        done = self._outputs_copied[i]  # re-recorded every other step
         if done is not None:
             done.record()
         # Graphs share one memory pool: a graph replayed after A may reuse memory holding A's
@@ -169,7 +184,7 @@ class StepGraphs:
         return self.k + 1 if family != "plain" or synthetic else 1
 
     def _scratch(self) -> int:
-        return self.spec.scratch_slot if self.spec is not None else 0
+        return self.spec.scratch_slot if self.spec is not None else self.runner.scratch_slot
 
     def _layout(self, key: tuple) -> Layout:
         family, rb = key[:2]  # a trimmed step is laid out with every draft slot
@@ -274,6 +289,8 @@ class StepGraphs:
         if self.spec is not None and spec_rows:
             drafts = self.spec.draft_tokens.view(-1)[src.clamp(min=0)]
             ids = torch.where(src >= 0, drafts, ids)
+        elif self.spec is None:  # one token per row: a pending one is on the device
+            ids = resolve_pending(ids, rows["slots"], self.runner.last_tokens)
         return StepInputs(
             input_ids=ids, positions=pos, slot_mapping=slot_map,
             query_start_loc=buf[lay.qsl : lay.seq_lens].to(torch.int32),
@@ -298,6 +315,7 @@ class StepGraphs:
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
         if spec is None:
             out, num_out = sample_step(logits, inp)
+            record_sampled(rn.last_tokens, inp.slots, inp.samples, out)
         else:
             out, num_out = spec.verify(logits, inp)
             spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,

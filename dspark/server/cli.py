@@ -49,6 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--seed", type=int, default=0)
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--no-async-scheduling", dest="async_scheduling", action="store_false",
+      help="schedule each step after the previous one finished (no speculation only)")
     a("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
       help="shard the model over N GPUs (N processes started by the server)")
     a("--load-format", default="auto", choices=["auto", "dummy"],
@@ -118,6 +120,7 @@ def build_engine_config(args: argparse.Namespace):
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             load_format=args.load_format, speculative_config=spec,
             tensor_parallel_size=args.tensor_parallel_size,
         )  # fmt: skip

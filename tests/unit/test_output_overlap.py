@@ -1,6 +1,8 @@
-"""CPU/GPU overlap: a step's outputs (text, output objects, the driver's delivery) are built
-while the next step's device work runs, i.e. between that step's launch and its wait, and
-nothing is lost or reordered by it."""
+"""CPU/GPU overlap without async scheduling (speculative engines schedule each step after
+the previous one finished): a step's outputs (text, output objects, the driver's delivery)
+are built while the next step's device work runs, i.e. between that step's launch and its
+wait, and nothing is lost or reordered by it. (tests/unit/test_async_scheduling.py: the
+engines that also schedule ahead.)"""
 
 import pytest
 
@@ -9,7 +11,7 @@ from dspark import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen):
-    return LLM(tiny_qwen, device="cpu")
+    return LLM(tiny_qwen, device="cpu", async_scheduling=False)
 
 
 def _trace(engine, log):

@@ -95,7 +95,7 @@ def test_fill_host_pads_rows_and_tokens(tiny_qwen, drafter):
     class Req:
         def __init__(self, slot, ctx):
             self.num_computed_tokens, self.token_ids, self.slot = ctx, list(range(ctx + 1)), slot
-            self.seed, self.round = 5 + slot, 2
+            self.seed, self.round, self.num_pending = 5 + slot, 2, 0
             self.params = SamplingParams(temperature=0.5)
 
     rows = [Row(Req(0, 6), 3, 2), Row(Req(3, 9), 1, 0), Row(Req(5, 2), 3, 2)]

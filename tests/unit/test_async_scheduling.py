@@ -1,0 +1,123 @@
+"""Async scheduling (engines without speculation): step N+1 is scheduled and launched before
+step N is waited for and committed, with N's sampled tokens fed to N+1 on the device. It must
+not change a single token, whatever happens in between: chunked prefill, preemption, stop
+tokens, length limits, aborts, the padded whole-step path."""
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.engine.step_graph import StepGraphs
+
+PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
+MAX_TOKENS = [14, 5, 21, 9, 1, 12]
+
+
+def _run(target, async_on: bool, temperature: float, graphs: bool = False, stops=None, **kw):
+    """Streamed tokens and final outputs of every request, plus the engine."""
+    llm = LLM(target, device="cpu", block_size=4, max_num_seqs=8, async_scheduling=async_on,
+              **kw)  # fmt: skip
+    eng = llm.engine
+    assert eng.async_scheduling is async_on
+    if graphs:  # the padded whole-step path, run without capture
+        eng.runner.step_graphs = StepGraphs(eng.runner, use_graphs=False)
+    eng.stream_outputs = True
+    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        params = SamplingParams(temperature=temperature, seed=7 + i, max_tokens=m,
+                                ignore_eos=True, stop_token_ids=stops[i] if stops else None)
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    streamed: dict[str, list[int]] = {}
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id not in final
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    assert sorted(final) == sorted(f"r{i}" for i in range(len(PROMPTS)))
+    for rid, (tokens, _) in final.items():
+        assert streamed[rid] == tokens
+    eng.block_manager.check_integrity()
+    assert not eng.block_manager.block_tables  # every block given back
+    return final, eng
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_same_tokens_as_synchronous_steps(tiny_qwen, temperature, graphs):
+    ref, _ = _run(tiny_qwen, False, temperature, graphs)
+    got, eng = _run(tiny_qwen, True, temperature, graphs)
+    assert got == ref
+    assert [len(ref[f"r{i}"][0]) for i in range(len(PROMPTS))] == MAX_TOKENS
+    if graphs:
+        assert any(key[0] == "plain" for key in eng.runner.step_graphs.steps)
+
+
+def test_same_tokens_with_chunked_prefill_and_preemption(tiny_qwen):
+    # 8-token chunks; 12 blocks of 4 tokens cannot hold every sequence at once
+    kw = dict(max_num_batched_tokens=8, num_kv_blocks=12)
+    ref, sync_eng = _run(tiny_qwen, False, 0.0, **kw)
+    got, eng = _run(tiny_qwen, True, 0.0, **kw)
+    assert got == ref
+    assert eng.stats["preemptions"] > 0 and sync_eng.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stop_tokens_end_requests_at_the_same_token(tiny_qwen, graphs):
+    free, _ = _run(tiny_qwen, False, 1.0, graphs)
+    # stop each request at the 3rd token it generates unconstrained (or its last)
+    stops = [[free[f"r{i}"][0][min(2, len(free[f"r{i}"][0]) - 1)]] for i in range(len(PROMPTS))]
+    ref, _ = _run(tiny_qwen, False, 1.0, graphs, stops=stops)
+    got, _ = _run(tiny_qwen, True, 1.0, graphs, stops=stops)
+    assert got == ref
+    assert sum(reason == "stop" for _, reason in ref.values()) >= 3  # stops did end some
+
+
+def test_the_next_step_launches_before_the_previous_is_waited_for(tiny_qwen):
+    llm = LLM(tiny_qwen, device="cpu")
+    eng, log = llm.engine, []
+    launch = eng.runner.launch
+
+    def spy(sched, tables):
+        n = sum(e[0] == "launch" for e in log)
+        log.append(("launch", n))
+        wait = launch(sched, tables)
+
+        def traced():
+            log.append(("wait", n))
+            return wait()
+
+        return traced
+
+    eng.runner.launch = spy
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(2):
+        eng.add_request(f"x{i}", {"prompt_token_ids": [9, 4 + i, 6]}, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    # prefill + 3 decode steps; every wait comes after the next step's launch
+    assert log == [("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1),
+                   ("launch", 3), ("wait", 2), ("wait", 3)]  # fmt: skip
+
+
+def test_abort_while_a_step_is_in_flight(tiny_qwen):
+    llm = LLM(tiny_qwen, device="cpu", block_size=4)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"a{i}", {"prompt_token_ids": [5 + i, 8, 13, 21]}, params)
+    seen = []
+    for _ in range(3):
+        seen += eng.step()
+    assert eng._in_flight is not None
+    eng.abort_request("a1")  # its row is in the step in flight
+    eng.add_request("a3", {"prompt_token_ids": [2, 3, 5, 7, 11]}, params)  # takes its slot
+    while eng.has_unfinished_requests():
+        seen += eng.step()
+    done = {o.request_id: o.outputs[0].token_ids for o in seen if o.finished}
+    assert sorted(done) == ["a0", "a2", "a3"]
+    assert all(len(t) == 10 for t in done.values())
+    alone = LLM(tiny_qwen, device="cpu", block_size=4, async_scheduling=False).generate(
+        [{"prompt_token_ids": [2, 3, 5, 7, 11]}], params, use_tqdm=False)  # fmt: skip
+    assert done["a3"] == alone[0].outputs[0].token_ids  # the reused slot fed it its own tokens
+    eng.block_manager.check_integrity()
+    assert not eng.block_manager.block_tables
