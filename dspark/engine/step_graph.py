@@ -121,11 +121,22 @@ class StepGraphs:
         if budget is None or budget >= num_drafts:
             return "spec", rb, mode
         # trimmed: the graph allocates the budget and compacts the stream to a token bucket
-        full = rb * (1 + self.k)
-        exact = g("num_tokens") - num_drafts + budget
-        tb = min(next((b for b in self.token_buckets if b >= exact), full), full)
-        key = ("trim", rb, mode, tb)
+        key = ("trim", rb, mode, self._trim_bucket(rb, g("num_tokens") - num_drafts + budget))
         return None if key in self.failed else key
+
+    def _trim_bucket(self, rb: int, num_tokens: int) -> int:
+        """Token bucket of a trimmed step of request bucket rb with num_tokens tokens."""
+        full = rb * (1 + self.k)
+        return min(next((b for b in self.token_buckets if b >= num_tokens), full), full)
+
+    def trim_buckets(self, rb: int) -> list[int]:
+        """Every token bucket a trimmed step of request bucket rb can take: its rows number
+        more than the next smaller request bucket, one token each at least, and it verifies
+        fewer drafts than every slot (largest first)."""
+        i = self.buckets.index(rb)
+        fewest = (self.buckets[i - 1] if i else 0) + 1
+        full = rb * (1 + self.k)
+        return sorted({self._trim_bucket(rb, n) for n in range(fewest, full)}, reverse=True)
 
     def proposes(self) -> bool:
         """Whether this step drafts for every row (a probe drafts for a few: eager)."""
@@ -220,12 +231,14 @@ class StepGraphs:
         return graph
 
     def capture_all(self) -> None:
-        """Capture every key a step can take, before serving (first-use capture would land in
-        the middle of traffic). Dummy steps: every row verifies K drafts (or decodes one
-        token) of an empty context in the reserved block 0, drafts go to the scratch row."""
+        """Capture every key a step can take, before serving (a first-use capture would be a
+        stall of ~0.1-1 s in the middle of traffic). Dummy steps: every row verifies K drafts
+        (or decodes one token) of an empty context in the reserved block 0, drafts go to the
+        scratch row; a trimmed step's budget fills its token bucket."""
         families = ("plain",) if self.spec is None else ("plain", "spec")
         methods = set() if self.spec is None else {self.spec.draft_method(True),
                                                    self.spec.draft_method(False)}  # fmt: skip
+        trims = self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
         for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
             for family in families:
                 for mode in ("greedy", "sample"):
@@ -234,6 +247,14 @@ class StepGraphs:
                     if self.spec is not None:
                         self.spec._no_drafts = family == "plain"
                     self._replay(key, lambda key=key: self._step(key))
+            for tb in self.trim_buckets(rb) if trims else ():
+                for mode in ("greedy", "sample"):
+                    key = ("trim", rb, mode, tb)
+                    self._dummy_inputs(key)
+                    self.spec._no_drafts = False
+                    self.dev_buf[self._layout(key).budget] = max(0, tb - rb)
+                    self._replay(key, lambda key=key: self._step(key))
+                self.allocation_ms(key)  # its allocation-only graph, timed once per bucket
             for method in sorted(methods):
                 self._replay(("draft", rb, method), lambda rb=rb, m=method: self._draft(rb, m))
         if self.use_graphs:

@@ -74,12 +74,53 @@ def test_padded_step_equals_eager_step(tiny_qwen, drafter, name, temperature):
         assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["nospec", "fixed_probabilistic"])
+@pytest.mark.parametrize("name", ["nospec", "fixed_probabilistic", "lagged"])
 def test_capture_all_dummy_steps_leave_no_trace(tiny_qwen, drafter, name):
     spec = None if SPECS[name] is None else {"model": drafter, **SPECS[name]}
-    ref, _, _ = _generate(tiny_qwen, spec, 1.0, step_graphs=False)
-    got, _, _ = _generate(tiny_qwen, spec, 1.0, step_graphs=True, capture_all=True)
+    temperature = 0.0 if name == "lagged" else 1.0  # (lagged plans vary with step times)
+    ref, _, _ = _generate(tiny_qwen, spec, temperature, step_graphs=False)
+    got, _, _ = _generate(tiny_qwen, spec, temperature, step_graphs=True, capture_all=True)
     assert got == ref
+
+
+def test_every_trimmed_step_key_is_captured_before_serving(tiny_qwen, drafter, monkeypatch,
+                                                          tmp_path):  # fmt: skip
+    from dspark.spec.cost_model import CostModel
+
+    k = SPECS["lagged"]["num_speculative_tokens"]
+    # every trimmed step a bucket can meet: more rows than the next smaller bucket, each with
+    # one token and up to K drafts, a budget of 0 .. (drafts - 1)
+    sg = StepGraphs(LLM(tiny_qwen, device="cpu", block_size=4, max_num_seqs=8,
+                        speculative_config={"model": drafter, **SPECS["lagged"]}).engine.runner,
+                    use_graphs=False)  # fmt: skip
+    sg.token_buckets = default_buckets(64)
+    for i, rb in enumerate(sg.buckets):
+        for rows in range((sg.buckets[i - 1] if i else 0) + 1, rb + 1):
+            for drafts in range(1, rows * k + 1):
+                for budget in range(drafts):
+                    assert sg._trim_bucket(rb, rows + budget) in sg.trim_buckets(rb)
+    # and the keys a lagged run through the padded path takes were all captured up front
+    captured = []
+    real_replay = StepGraphs._replay
+
+    def spy(self, key, fn):
+        captured.append(key)
+        return real_replay(self, key, fn)
+
+    monkeypatch.setattr(StepGraphs, "_replay", spy)
+    # verification priced high and drafts accepted often: some steps trim (as in
+    # test_lagged_with_a_loaded_table_through_the_padded_path)
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    spec = {"model": drafter, **SPECS["lagged"], "cost_table_path": path,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    _, used, _ = _generate(tiny_qwen, spec, 1.0, step_graphs=True, capture_all=True)
+    at_start = set(captured[: next(i for i, key in enumerate(captured)
+                                   if key == ("draft", 1, "greedy")) + 1])  # fmt: skip
+    trims = {key for key in used if key[0] == "trim"}
+    assert trims and trims <= at_start, (trims - at_start)
 
 
 def test_fill_host_pads_rows_and_tokens(tiny_qwen, drafter):
