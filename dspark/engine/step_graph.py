@@ -250,9 +250,10 @@ class StepGraphs:
             for tb in self.trim_buckets(rb) if trims else ():
                 for mode in ("greedy", "sample"):
                     key = ("trim", rb, mode, tb)
-                    self._dummy_inputs(key)
+                    rows, budget = self.trim_dummy(rb, tb)
+                    self._dummy_inputs(key, rows)
                     self.spec._no_drafts = False
-                    self.dev_buf[self._layout(key).budget] = max(0, tb - rb)
+                    self.dev_buf[self._layout(key).budget] = budget
                     self._replay(key, lambda key=key: self._step(key))
                 self.allocation_ms(key)  # its allocation-only graph, timed once per bucket
             for method in sorted(methods):
@@ -268,27 +269,40 @@ class StepGraphs:
         method = self.spec.draft_method(False)
         return lambda: self._replay(("draft", rb, method), lambda: self._draft(rb, method))
 
-    def _dummy_inputs(self, key: tuple) -> None:
+    def _dummy_inputs(self, key: tuple, real_rows: int | None = None) -> None:
+        """A dummy step of `real_rows` rows (default: the whole bucket), the rest padding."""
         lay = self._layout(key)
         r, t = lay.rows, lay.tokens
         q = t // r  # tokens per row: 1 + K or 1
+        n = r if real_rows is None else real_rows
         rows = self.dev_buf[: 8 * r].view(8, r)
         rows.zero_()
-        rows[ROW_FIELDS.index("samples")] = 1
-        rows[ROW_FIELDS.index("caps")] = q - 1
-        rows[ROW_FIELDS.index("nd")] = 1
+        rows[ROW_FIELDS.index("samples"), :n] = 1
+        rows[ROW_FIELDS.index("caps"), :n] = q - 1
+        rows[ROW_FIELDS.index("nd"), :n] = 1
         rows[ROW_FIELDS.index("slots")] = self._scratch()
         temperature = 0.0 if key[2] == "greedy" else 1.0
         floats = torch.tensor([temperature, 1.0, 0.0], dtype=torch.float32, device=rows.device)
         self.dev_buf[lay.floats : lay.qsl].view(3, r)[:] = floats.view(torch.int32).long()[:, None]
-        self.dev_buf[lay.qsl : lay.seq_lens] = torch.arange(r + 1, device=rows.device) * q
-        self.dev_buf[lay.seq_lens : lay.block_tables] = q
+        self.dev_buf[lay.qsl : lay.seq_lens] = torch.arange(r + 1, device=rows.device).clamp(
+            max=n) * q  # (padding rows: zero length)  # fmt: skip
+        seq_lens = self.dev_buf[lay.seq_lens : lay.block_tables]
+        seq_lens.zero_()
+        seq_lens[:n] = q
         self.dev_buf[lay.block_tables : lay.stream] = 0  # block 0: reserved for padding
         ids, pos, slot_map, src = self.dev_buf[lay.stream : lay.budget].view(4, t)
         ids.zero_()
         pos.copy_(torch.arange(t, device=rows.device) % q)
+        pos[n * q :] = 0
         slot_map.fill_(SENTINEL_SLOT)  # nothing is written to the KV cache
         src.fill_(-1)
+
+    def trim_dummy(self, rb: int, tb: int) -> tuple[int, int]:
+        """(real rows, budget) of a dummy trimmed step that fills token bucket tb exactly: a
+        bucket below rb rows (e.g. 160 tokens for rows 129..160 of bucket 192) holds fewer
+        rows than the bucket, each without drafts."""
+        rows = min(rb, tb)
+        return rows, tb - rows
 
     # -- device code (captured) --------------------------------------------------------------
     def _rows(self, lay: Layout) -> dict[str, torch.Tensor]:

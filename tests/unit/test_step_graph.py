@@ -9,6 +9,7 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.cuda_graph import default_buckets
+from dspark.spec.draft_graph import request_buckets
 from dspark.engine.input_batch import pack_step
 from dspark.engine.step_graph import StepGraphs
 from dspark.engine.step_layout import Layout, fill_host
@@ -83,6 +84,23 @@ def test_capture_all_dummy_steps_leave_no_trace(tiny_qwen, drafter, name):
     assert got == ref
 
 
+def test_trimmed_dummy_step_below_its_request_bucket(tiny_qwen, drafter):
+    """Request bucket 12 with a 10-token trim (rows 9..10, no drafts): its dummy step has 10
+    real rows, two of padding, and leaves the engine's output unchanged."""
+    spec = {"model": drafter, **SPECS["lagged"]}
+    llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=12,
+              num_kv_blocks=200)  # fmt: skip
+    sg = StepGraphs(llm.engine.runner, use_graphs=False)
+    sg.token_buckets = [1, 2, 4, 8, 10, 16, 32, 64]
+    assert 10 in sg.trim_buckets(12) and sg.trim_dummy(12, 10) == (10, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    sg.capture_all()  # (without use_graphs: runs every dummy step once)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+
+
 def test_every_trimmed_step_key_is_captured_before_serving(tiny_qwen, drafter, monkeypatch,
                                                           tmp_path):  # fmt: skip
     from dspark.spec.cost_model import CostModel
@@ -99,6 +117,14 @@ def test_every_trimmed_step_key_is_captured_before_serving(tiny_qwen, drafter, m
             for drafts in range(1, rows * k + 1):
                 for budget in range(drafts):
                     assert sg._trim_bucket(rb, rows + budget) in sg.trim_buckets(rb)
+    # a dummy trimmed step fills its bucket exactly, with the GPU's buckets too (where 192
+    # rows' bucket has a 160-token trim: rows 129..160 without drafts)
+    sg.buckets, sg.token_buckets = request_buckets(256), default_buckets(1024)
+    for rb in sg.buckets:
+        for tb in sg.trim_buckets(rb):
+            rows, budget = sg.trim_dummy(rb, tb)
+            assert 1 <= rows <= min(rb, tb) and rows + budget == tb and budget <= rows * 7
+    assert 160 in sg.trim_buckets(192)
     # and the keys a lagged run through the padded path takes were all captured up front
     captured = []
     real_replay = StepGraphs._replay
