@@ -20,10 +20,11 @@ from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.model_runner import ModelRunner, StepResult
+from dspark.engine.output_builder import build_outputs, make_output
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.models.config import ModelConfig, parse_dtype
-from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dspark.outputs import RequestOutput
 from dspark.sampling.rng import hash_keys
 from dspark.sampling_params import SamplingParams
 
@@ -287,9 +288,11 @@ class LLMEngine:
         produced, self._unbuilt = self._unbuilt, []
         if not produced:
             return []
-        # text for every request at once (one batched decode), then the outputs
-        self.detokenizer.update_many([req for req, _ in produced if self._needs_text(req)])
-        outputs = [self._make_output(req, toks, detokenized=True) for req, toks in produced]
+        outputs = build_outputs(produced, self.detokenizer, self.stream_outputs,
+                                self.runner.spec is not None)  # fmt: skip
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
         if self.on_outputs is None:
             return outputs
         self.on_outputs(outputs)
@@ -364,10 +367,6 @@ class LLMEngine:
                 produced.append((req, new_tokens))
         return produced
 
-    def _needs_text(self, req: Request) -> bool:
-        # (a stop string has already fixed the text)
-        return (self.stream_outputs or req.status.finished) and not isinstance(
-            req.stop_reason, str)  # fmt: skip
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Called after each appended token (hot: once per generated token)."""
@@ -399,35 +398,8 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.detokenizer.decode(token_ids)
 
-    def _make_output(self, req: Request, new_tokens: list[int],
-                     detokenized: bool = False) -> RequestOutput:
-        finished = req.status.finished
-        if self._needs_text(req):
-            if not detokenized:
-                self.detokenizer.update(req)
-            if finished and req.read_offset < req.num_output_tokens:
-                # flush a held-back tail (e.g. an incomplete character at the very end)
-                req.output_text = self.decode(req.output_token_ids)
-        finish = req.status.value if finished else None
-        # per-request speculation stats are reported with the final output
-        spec = req.spec.as_dict() if finished and self.runner.spec is not None else None
-        if finished:
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[
-                CompletionOutput(0, req.output_text, req.output_token_ids, finish, req.stop_reason)
-            ],
-            finished=finished,
-            metrics=RequestMetrics(
-                req.arrival_time, req.first_token_time, req.finished_time,
-                req.num_prompt_tokens, req.num_cached_tokens, req.num_preemptions,
-            ),  # fmt: skip
-            spec_decode=spec,
-            new_token_ids=new_tokens,
-        )
 
     def abort_output(self, req: Request) -> RequestOutput:
-        return self._make_output(req, [])
+        self.requests.pop(req.request_id, None)
+        return make_output(req, [], self.detokenizer, self.stream_outputs,
+                           self.runner.spec is not None)  # fmt: skip

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.attention.base import AttentionBackend
+from dspark.attention import select_backend
 from dspark.config import EngineConfig
 from dspark.engine.input_batch import (
     HostStep,
@@ -37,10 +37,8 @@ from dspark.engine.step_graph import CaptureFailed, StepGraphs
 from dspark.engine.step_layout import pack_outputs, unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.layers.parallel import SINGLE, tensor_parallel
-from dspark.layers.rotary import rope_inv_freq
 from dspark.models.config import ModelConfig
-from dspark.models.loader import load_weights
-from dspark.models.registry import resolve_model_class
+from dspark.models.target import load_target
 from dspark.sampling.sampler import sample_step
 
 logger = logging.getLogger(__name__)
@@ -52,49 +50,6 @@ class StepResult:
     verified: list[int]  # per row: drafts sent to the target
     drafted: list[int]  # per row: drafts that were available (capacity)
     num_tokens: int = 0  # tokens in the target forward
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        from dspark.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from dspark.attention.torch_ref import TorchAttentionBackend
-
-    return TorchAttentionBackend()
-
-
-def load_target(
-    model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: torch.device, dummy=False
-):
-    cls = resolve_model_class(model_cfg.architectures)
-    with torch.device("meta"):
-        model = cls(model_cfg)
-    model = model.to_empty(device=device).to(dtype)
-    # non-persistent buffer: recompute it (in float32) after the meta-device construction
-    model.rotary.inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope).to(device)
-    if model_cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    if dummy:  # random weights for benchmarks (load_format="dummy")
-        gen = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
-        return model.eval().requires_grad_(False)
-    load_weights(
-        model,
-        path,
-        cls.checkpoint_name_to_param,
-        cls.packed_modules,
-        model.shard_sizes,
-    )
-    # inference only: the fused kernels decline tensors that autograd tracks (layers/norm.py)
-    return model.eval().requires_grad_(False)
 
 
 class ModelRunner:
@@ -190,7 +145,9 @@ class ModelRunner:
             if self.graphs is not None and self.world is None and self.tp.size == 1:
                 try:
                     self.step_graphs = StepGraphs(self)
-                    self.step_graphs.capture_all()
+                    # trimmed-step graphs up front: opt-in until measured on a GPU at scale
+                    self.step_graphs.capture_all(
+                        trims=os.environ.get("DSPARK_CAPTURE_TRIMS") == "1")
                     if self.spec is not None:  # trimmed lagged steps are graphs too
                         self.spec.graph_steps = self.spec.graph_trims = True
                 except Exception:  # the per-phase graphs above still serve

@@ -24,10 +24,10 @@ threshold / early-stop policies or tensor parallelism run the per-phase path (ta
 and drafter graphs, eager glue).
 
 "spec" and "plain" graphs are captured before serving (`capture_all`, dummy steps); "trim"
-graphs on first use: the step runs eagerly once (warm-up, same result), is captured and
-replayed. Every op of a step is deterministic given its inputs, so re-running it over the same
-inputs writes the same KV, drafts and outputs. A failed capture marks its key: those steps
-take the per-phase path.
+graphs too with DSPARK_CAPTURE_TRIMS=1 (not yet run on a GPU at 8B scale), else on first use:
+the step runs eagerly once (warm-up, same result), is captured and replayed. Every op of a
+step is deterministic given its inputs, so re-running it over the same inputs writes the same
+KV, drafts and outputs. A failed capture marks its key: those steps take the per-phase path.
 """
 
 from __future__ import annotations
@@ -230,15 +230,16 @@ class StepGraphs:
         logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
         return graph
 
-    def capture_all(self) -> None:
+    def capture_all(self, trims: bool = True) -> None:
         """Capture every key a step can take, before serving (a first-use capture would be a
-        stall of ~0.1-1 s in the middle of traffic). Dummy steps: every row verifies K drafts
-        (or decodes one token) of an empty context in the reserved block 0, drafts go to the
-        scratch row; a trimmed step's budget fills its token bucket."""
+        stall of ~0.1-1 s in the middle of traffic); `trims=False` leaves the lagged policy's
+        trimmed steps to first use. Dummy steps: every row verifies K drafts (or decodes one
+        token) of an empty context in the reserved block 0, drafts go to the scratch row; a
+        trimmed step's budget fills its token bucket."""
         families = ("plain",) if self.spec is None else ("plain", "spec")
         methods = set() if self.spec is None else {self.spec.draft_method(True),
                                                    self.spec.draft_method(False)}  # fmt: skip
-        trims = self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
+        trims = trims and self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
         for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
             for family in families:
                 for mode in ("greedy", "sample"):

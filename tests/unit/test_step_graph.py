@@ -9,10 +9,10 @@ import torch
 from dspark import LLM, SamplingParams
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.cuda_graph import default_buckets
-from dspark.spec.draft_graph import request_buckets
 from dspark.engine.input_batch import pack_step
 from dspark.engine.step_graph import StepGraphs
 from dspark.engine.step_layout import Layout, fill_host
+from dspark.spec.draft_graph import request_buckets
 from dspark.testing.drafters import make_tiny_drafter
 
 # 5 requests of different lengths: the batch shrinks through buckets 8 -> 4 -> 2 -> 1
