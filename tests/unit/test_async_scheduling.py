@@ -7,6 +7,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.engine.step_graph import StepGraphs
+from tests.unit.launch_trace import trace_steps
 
 PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
 MAX_TOKENS = [14, 5, 21, 9, 1, 12]
@@ -75,28 +76,19 @@ def test_stop_tokens_end_requests_at_the_same_token(tiny_qwen, graphs):
 def test_the_next_step_launches_before_the_previous_is_waited_for(tiny_qwen):
     llm = LLM(tiny_qwen, device="cpu")
     eng, log = llm.engine, []
-    launch = eng.runner.launch
-
-    def spy(sched, tables):
-        n = sum(e[0] == "launch" for e in log)
-        log.append(("launch", n))
-        wait = launch(sched, tables)
-
-        def traced():
-            log.append(("wait", n))
-            return wait()
-
-        return traced
-
-    eng.runner.launch = spy
+    trace_steps(eng, log)
+    eng.stream_outputs = True  # (as a server: every step's outputs)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i in range(2):
         eng.add_request(f"x{i}", {"prompt_token_ids": [9, 4 + i, 6]}, params)
     while eng.has_unfinished_requests():
-        eng.step()
-    # prefill + 3 decode steps; every wait comes after the next step's launch
-    assert log == [("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1),
-                   ("launch", 3), ("wait", 2), ("wait", 3)]  # fmt: skip
+        assert eng.step() == []  # (delivered through on_outputs)
+    # prefill + 3 decode steps; every wait comes after the next step's launch, and a step's
+    # outputs right after its wait, while the next step runs
+    out = ("outputs", [("x0", False), ("x1", False)])
+    assert log == [("launch", 0), ("launch", 1), ("wait", 0), out, ("launch", 2), ("wait", 1),
+                   out, ("launch", 3), ("wait", 2), out, ("wait", 3),
+                   ("outputs", [("x0", True), ("x1", True)])]  # fmt: skip
 
 
 def test_abort_while_a_step_is_in_flight(tiny_qwen):

@@ -7,6 +7,7 @@ engines that also schedule ahead.)"""
 import pytest
 
 from dspark import LLM, SamplingParams
+from tests.unit.launch_trace import trace_steps
 
 
 @pytest.fixture(scope="module")
@@ -14,31 +15,10 @@ def llm(tiny_qwen):
     return LLM(tiny_qwen, device="cpu", async_scheduling=False)
 
 
-def _trace(engine, log):
-    """Record launches, waits and deliveries in the order they happen."""
-    launch = engine.runner.launch
-
-    def spy(sched, tables):
-        step = len([e for e in log if e[0] == "launch"])
-        log.append(("launch", step))
-        wait = launch(sched, tables)
-
-        def traced_wait():
-            log.append(("wait", step))
-            return wait()
-
-        return traced_wait
-
-    engine.runner.launch = spy
-    engine.on_outputs = lambda outs: log.append(("outputs", [(o.request_id, o.finished)
-                                                             for o in outs]))  # fmt: skip
-    return launch
-
-
 def test_outputs_are_built_between_the_next_launch_and_its_wait(llm):
     eng = llm.engine
     log = []
-    launch = _trace(eng, log)
+    launch = trace_steps(eng, log)
     eng.stream_outputs = True
     try:
         params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
