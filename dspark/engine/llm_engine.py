@@ -201,10 +201,11 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step. Returns the outputs of the *previous* step while work remains (they
-        are built while this step's device work runs) and this step's own when nothing is
-        left to schedule; `on_outputs`, when set, receives each batch as soon as it is built
-        instead (step() then returns [])."""
+        """Run one step. Outputs are built while a later step runs on the device, so a call
+        returns those of an earlier step: with async scheduling, of the step it committed
+        (the one launched by the previous call); without, of the previous call's step (and
+        its own when nothing is left to schedule). `on_outputs`, when set, receives each
+        batch as soon as it is built instead (step() then returns [])."""
         t0 = time.perf_counter()
         try:
             return self._step()
@@ -366,7 +367,6 @@ class LLMEngine:
             if stream or finished:
                 produced.append((req, new_tokens))
         return produced
-
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         """Called after each appended token (hot: once per generated token)."""

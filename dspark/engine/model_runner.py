@@ -239,9 +239,10 @@ class ModelRunner:
 
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray):
         """Queue one step's device work and return `wait`, which blocks until the emitted
-        tokens are on the host and returns the StepResult. The host may work between the two
-        (the engine builds the previous step's outputs); the next launch comes after `wait`.
-        On the CPU, and under tensor parallelism, the work is done when this returns."""
+        tokens are on the host and returns the StepResult. The host works in between (outputs
+        of an earlier step; with async scheduling, the next step's launch). At most two steps
+        are in flight: a launch comes after the wait of the step launched two before it. On
+        the CPU, and under tensor parallelism, the work is done when this returns."""
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
