@@ -35,7 +35,8 @@ from host_step_cost import DEMO, demo_spec, stub_device_work  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float):
+def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float,
+                 async_scheduling: bool = True):
     import uvicorn
 
     from dspark import LLM
@@ -44,7 +45,7 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
 
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs,
               speculative_config=demo_spec(policy, always_draft=False),
-              max_num_batched_tokens=16384)  # fmt: skip
+              max_num_batched_tokens=16384, async_scheduling=async_scheduling)  # fmt: skip
     stub_device_work(llm.engine.runner, prefill=True, device_ms=device_ms)
     llm.engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
     if tokenless:  # as with --load-format dummy: chunks carry token ids, no text
@@ -84,12 +85,15 @@ def main() -> int:
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (default: Python's 5 ms)")
     ap.add_argument("--tokenless", action="store_true", help="no tokenizer (token-id chunks)")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="no-spec engine schedules each step after the previous one")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     conc = [int(c) for c in args.concurrency.split(",")]
-    server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms)
+    server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms,
+                                       args.async_scheduling)  # fmt: skip
     try:
         waits = server.config.app.state.engine.engine.runner.step_graphs.wait_overshoot_ms
         for c in conc:
