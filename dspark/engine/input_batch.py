@@ -286,15 +286,19 @@ def finalize(
     inp.logits_indices = torch.where(tl < cu[-1], idx, torch.zeros_like(idx))
 
 
-def resolve_pending(input_ids: torch.Tensor, slot_of_token: torch.Tensor,
-                    last_tokens: torch.Tensor) -> torch.Tensor:
-    """Input ids with every PENDING_TOKEN replaced by the token its request's slot sampled last
-    (written by the previous step, earlier on the same stream)."""
-    return torch.where(input_ids == PENDING_TOKEN, last_tokens[slot_of_token], input_ids)
+def resolve_pending(inp: StepInputs, last_tokens: torch.Tensor) -> None:
+    """Replace every PENDING_TOKEN input of a finalized step with the token its request's
+    slot emitted last (written by an earlier step on the same stream). Other ids (prompt
+    tokens, drafts) are untouched; padding tokens map to a real row but are never pending."""
+    row = inp.token_to_req.long().clamp(max=max(inp.num_reqs - 1, 0))
+    ids = inp.input_ids
+    inp.input_ids = torch.where(ids == PENDING_TOKEN, last_tokens[inp.slots[row]], ids)
 
 
-def record_sampled(last_tokens: torch.Tensor, slots: torch.Tensor, samples: torch.Tensor,
-                   out: torch.Tensor) -> None:
-    """last_tokens[slot] = the token each sampling row sampled (slots distinct, padding rows
-    on the scratch slot)."""
-    last_tokens[slots] = torch.where(samples, out[:, 0], last_tokens[slots])
+def record_emitted(last_tokens: torch.Tensor, inp: StepInputs, out: torch.Tensor,
+                   num_out: torch.Tensor) -> None:
+    """last_tokens[slot] = the last token each sampling row emitted (out [R, W], num_out
+    [R]; slots distinct, padding rows on the scratch slot), for resolve_pending."""
+    last = out.gather(1, (num_out.long() - 1).clamp(min=0)[:, None])[:, 0]
+    emitted = inp.samples & (num_out > 0)
+    last_tokens[inp.slots] = torch.where(emitted, last, last_tokens[inp.slots])

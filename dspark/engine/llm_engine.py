@@ -12,6 +12,7 @@ import atexit
 import gc
 import itertools
 import logging
+import os
 import time
 
 import torch
@@ -108,9 +109,12 @@ class LLMEngine:
         # (request, new tokens) committed by the last step whose outputs are not built yet
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
-        # async scheduling (engines without drafts, one process): the step launched last and
-        # not yet committed, as (schedule, wait)
-        self.async_scheduling = (config.async_scheduling and self.runner.spec is None
+        # async scheduling (one process): the step launched last and not yet committed, as
+        # (schedule, wait). Speculative engines schedule ahead only after steps that verify
+        # and draft nothing (the lagged policy's draft skipping): opt-in (DSPARK_SPEC_ASYNC=1)
+        # until measured on a GPU.
+        spec_ok = self.runner.spec is None or os.environ.get("DSPARK_SPEC_ASYNC") == "1"
+        self.async_scheduling = (config.async_scheduling and spec_ok
                                  and config.tensor_parallel_size == 1)  # fmt: skip
         self._in_flight: tuple[SchedulerOutput, object] | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
@@ -241,7 +245,7 @@ class LLMEngine:
         outputs = self._deliver_outputs()
         result = wait()
         self.stats["steps"] += 1
-        self._unbuilt = self._commit(sched, result)
+        self._unbuilt = self._commit(sched, result, advanced=False)
         if not self.scheduler.has_unfinished():  # nothing to overlap with: deliver now
             outputs += self._deliver_outputs()
         period_ms = self._step_period_ms(t0)
@@ -250,28 +254,59 @@ class LLMEngine:
         return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Async scheduling (no drafts): schedule and launch step N+1 while step N is still
-        on the device, then wait for N, commit it and deliver its outputs while N+1 runs, so
-        the device never waits for the host's scheduling, packing or commit.
+        """Async scheduling: schedule and launch step N+1 while step N is still on the
+        device, then wait for N, commit it and deliver its outputs while N+1 runs, so the
+        device never waits for the host's scheduling, packing or commit.
 
         Step N+1 is scheduled as if N's rows had advanced (`_advance`): a sampled token not
         yet known is a PENDING_TOKEN input that the device takes from what N sampled. A
         request that N finishes (a stop token) has a wasted row in N+1, dropped at its
         commit; one that N finishes by length is not scheduled again. Blocks freed while a
         step is in flight are only reused by later steps, which run after it on the same
-        stream."""
+        stream. Only a step whose outcome is one token per sampling row stays in flight
+        (`_predictable`); any other (it verifies or drafts) is waited for and committed at
+        once, after the step before it."""
+        t0 = time.perf_counter()
         sched = self._schedule()
         launched = None
         if not sched.is_empty:
             launched = (sched, self._launch(sched))
-            self._advance(sched)
-        previous, self._in_flight = self._in_flight, launched
+            ahead = self._predictable(sched)
+            if ahead:
+                self._advance(sched)
+        previous, self._in_flight = self._in_flight, None
         self.idle = launched is None and previous is None
+        committed, outputs = None, []
         if previous is not None:
-            result = previous[1]()
-            self.stats["steps"] += 1
-            self._unbuilt += self._commit(previous[0], result)
-        return self._deliver_outputs()
+            committed = self._commit_launched(previous, advanced=True)
+            # (built now: one commit's outputs at a time, read from the request's state)
+            outputs = self._deliver_outputs()
+        if launched is not None:
+            if ahead:
+                self._in_flight = launched
+            else:
+                committed = self._commit_launched(launched, advanced=False)
+                outputs += self._deliver_outputs()
+        if committed is not None and self.runner.spec is not None:  # (the last committed)
+            self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
+                                               len(committed[0].rows))  # fmt: skip
+        return outputs + self._deliver_outputs()  # (and any left by an abort's bookkeeping)
+
+    def _predictable(self, sched: SchedulerOutput) -> bool:
+        """Whether every sampling row of this launched step emits exactly one token and it
+        drafts nothing (always, without speculation), so the next step can be scheduled
+        before its results are known."""
+        spec = self.runner.spec
+        return spec is None or (not spec.draft_enabled
+                                and all(r.num_draft_slots == 0 for r in sched.rows))  # fmt: skip
+
+    def _commit_launched(self, launched: tuple, advanced: bool) -> tuple:
+        """Wait for a launched step and commit it; returns (schedule, result)."""
+        sched, wait = launched
+        result = wait()
+        self.stats["steps"] += 1
+        self._unbuilt += self._commit(sched, result, advanced)
+        return sched, result
 
     @staticmethod
     def _advance(sched: SchedulerOutput) -> None:
@@ -313,15 +348,15 @@ class LLMEngine:
         start = t0 if last is None or t0 - last > _MAX_GAP_S else last
         return (now - start) * 1e3
 
-    def _commit(self, sched: SchedulerOutput, result: StepResult) -> list[tuple[Request, list]]:
+    def _commit(self, sched: SchedulerOutput, result: StepResult,
+                advanced: bool) -> list[tuple[Request, list]]:  # fmt: skip
         """Apply a step's results to the requests (tokens, stops, freed blocks and slots).
         Returns (request, its new tokens) for each output to build: every sampling row's
-        when streaming, else the finished ones'. Under async scheduling the counters were
-        advanced at launch (`_advance`), and a request may have finished (stop token,
-        abort) or been preempted since."""
+        when streaming, else the finished ones'. `advanced`: the step was scheduled ahead of
+        the next one, its counters advanced at launch (`_advance`), and a request may have
+        finished (stop token, abort) or been preempted since."""
         produced: list[tuple[Request, list[int]]] = []
         now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
-        advanced = self.async_scheduling
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
         )):  # fmt: skip
@@ -361,7 +396,9 @@ class LLMEngine:
                 self.scheduler.remove(req)  # from running (or waiting: preempted); freed
                 self._release_slot(req)
             else:
-                req.has_drafts = spec is not None and spec.drafts_row(i)
+                # (a step scheduled ahead drafted nothing; the spec decoder's drafting state
+                # is the next step's by now)
+                req.has_drafts = not advanced and spec is not None and spec.drafts_row(i)
                 if running:
                     self.block_manager.cache_full_blocks(req)
             if stream or finished:

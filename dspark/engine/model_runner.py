@@ -28,7 +28,7 @@ from dspark.engine.input_batch import (
     HostStep,
     finalize,
     pack_step,
-    record_sampled,
+    record_emitted,
     resolve_pending,
     upload_step,
 )
@@ -286,8 +286,7 @@ class ModelRunner:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
             finalize(inp, None, None, None)
-            row = inp.token_to_req.long().clamp(max=max(inp.num_reqs - 1, 0))
-            inp.input_ids = resolve_pending(inp.input_ids, inp.slots[row], self.last_tokens)
+        resolve_pending(inp, self.last_tokens)  # tokens of the step still in flight
         hidden, aux = self.forward(inp.input_ids, inp.attn_metadata(), inp.num_tokens)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.spec is not None:
@@ -296,7 +295,7 @@ class ModelRunner:
                 out, num_out = self.world.agree_tokens(out, num_out)
         else:
             out, num_out = sample_step(logits, inp)
-            record_sampled(self.last_tokens, inp.slots, inp.samples, out)
+        record_emitted(self.last_tokens, inp, out, num_out)
         host_out, done = None, None
         if self.tp.rank == 0:
             packed = pack_outputs(out, num_out, inp.lengths)

@@ -43,7 +43,7 @@ from dspark.engine.input_batch import (
     HostStep,
     StepInputs,
     finalize,
-    record_sampled,
+    record_emitted,
     resolve_pending,
 )
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
@@ -325,8 +325,6 @@ class StepGraphs:
         if self.spec is not None and spec_rows:
             drafts = self.spec.draft_tokens.view(-1)[src.clamp(min=0)]
             ids = torch.where(src >= 0, drafts, ids)
-        elif self.spec is None:  # one token per row: a pending one is on the device
-            ids = resolve_pending(ids, rows["slots"], self.runner.last_tokens)
         return StepInputs(
             input_ids=ids, positions=pos, slot_mapping=slot_map,
             query_start_loc=buf[lay.qsl : lay.seq_lens].to(torch.int32),
@@ -347,11 +345,11 @@ class StepGraphs:
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
+        resolve_pending(inp, rn.last_tokens)  # tokens of the step still in flight
         hidden, aux = rn.eager_forward(inp.input_ids, inp.attn_metadata())
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
         if spec is None:
             out, num_out = sample_step(logits, inp)
-            record_sampled(rn.last_tokens, inp.slots, inp.samples, out)
         else:
             out, num_out = spec.verify(logits, inp)
             spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
@@ -360,6 +358,7 @@ class StepGraphs:
             self.anchors[: inp.num_reqs].copy_(anchors)
             # padding rows (no tokens) would sit at position -1: give them an empty context
             self.anchor_pos[: inp.num_reqs].copy_(anchor_pos.clamp(min=0))
+        record_emitted(rn.last_tokens, inp, out, num_out)
         return pack_outputs(out, num_out, inp.lengths)
 
     def _allocate(self, key: tuple) -> torch.Tensor:

@@ -158,3 +158,48 @@ def test_async_scheduling_on_graphs_matches_synchronous_eager(ckpt_dir, temperat
     slow = CudaLLM(path, dtype="float32", enforce_eager=True, async_scheduling=False)
     b = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
     assert a == b
+
+
+@pytest.mark.parametrize("capture_trims", [False, True])
+def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_path, monkeypatch,
+                                                                capture_trims):  # fmt: skip
+    """Opt-in paths still to be validated on a GPU (DSPARK_SPEC_ASYNC=1: a lagged engine
+    skipping drafts schedules ahead; DSPARK_CAPTURE_TRIMS=1: trimmed-step graphs captured at
+    start-up): tokens equal one-at-a-time eager steps. Two tables: drafting skipped (probes
+    every 4 steps) and drafting with trims."""
+    import dspark.spec.decoder as decoder_mod
+    from dspark.spec.cost_model import CostModel
+
+    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    path = ckpt_dir("qwen3_gqa2")
+    drafter = make_tiny_drafter(str(tmp_path / "d"), path, seed=6)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))}
+               for i, n in enumerate((4, 9, 17, 33, 5, 12, 7, 21, 3))]  # fmt: skip
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate((24, 9, 17, 30, 3, 12, 20, 40, 1))]  # fmt: skip
+    synthetic = dict(rejection_sample_method="synthetic",
+                     synthetic_acceptance_rates=[0.9, 0.6, 0.3, 0.1])  # fmt: skip
+    for name, kw, extra in [
+        ("skip", dict(ms_per_token=0.001, draft_base_ms=20.0), {}),
+        ("trim", dict(ms_per_token=0.08, draft_base_ms=0.1), synthetic),
+    ]:  # fmt: skip
+        table = str(tmp_path / f"{name}.json")
+        CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, draft_ms_per_req=0.0,
+                           **kw).to_json(table)  # fmt: skip
+        spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+                "cost_table_path": table, "draft_sample_method": "probabilistic", **extra}
+        monkeypatch.setenv("DSPARK_SPEC_ASYNC", "1")
+        monkeypatch.setenv("DSPARK_CAPTURE_TRIMS", "1" if capture_trims else "0")
+        fast = CudaLLM(path, dtype="float32", speculative_config=spec)
+        assert fast.engine.async_scheduling
+        a = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+        sg = fast.engine.runner.step_graphs
+        assert not sg.failed, sg.failed
+        if capture_trims and name == "trim":
+            assert all(key in sg.graphs for key in sg.steps if key[0] == "trim")
+        fast.shutdown()
+        monkeypatch.delenv("DSPARK_SPEC_ASYNC")
+        slow = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
+        b = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
+        slow.shutdown()
+        assert a == b, name

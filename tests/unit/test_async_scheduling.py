@@ -113,3 +113,62 @@ def test_abort_while_a_step_is_in_flight(tiny_qwen):
     assert done["a3"] == alone[0].outputs[0].token_ids  # the reused slot fed it its own tokens
     eng.block_manager.check_integrity()
     assert not eng.block_manager.block_tables
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    from dspark.testing.drafters import make_tiny_drafter
+
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("async_drafter")), tiny_qwen, seed=9)
+
+
+def _lagged_spec(drafter, tmp_path, table: str) -> dict:
+    """A loaded cost table (plans are the same in every run, so sampled output compares
+    exactly): costly_drafter skips drafting (a probe every 4 steps); costly_tokens drafts and
+    trims (synthetic acceptance, so that drafting pays)."""
+    from dspark.spec.cost_model import CostModel
+
+    kw = dict(weight_read_ms=1.0, ms_per_token=0.001, draft_base_ms=20.0, draft_ms_per_req=0.0)
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "draft_sample_method": "probabilistic"}  # fmt: skip
+    if table == "costly_tokens":
+        kw = dict(weight_read_ms=1.0, ms_per_token=0.08, draft_base_ms=0.1, draft_ms_per_req=0.0)
+        spec.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[0.9, 0.6, 0.3, 0.1])  # fmt: skip
+    path = str(tmp_path / f"{table}.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, **kw).to_json(path)
+    spec["cost_table_path"] = path
+    return spec
+
+
+@pytest.mark.parametrize("table", ["costly_drafter", "costly_tokens"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_speculative_engine_schedules_ahead_only_after_plain_steps(
+        tiny_qwen, drafter, tmp_path, monkeypatch, table, graphs):  # fmt: skip
+    import dspark.spec.decoder as decoder_mod
+    from dspark.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    spec = _lagged_spec(drafter, tmp_path, table)
+    ref, sync_eng = _run(tiny_qwen, False, 1.0, graphs, speculative_config=spec)
+    monkeypatch.setenv("DSPARK_SPEC_ASYNC", "1")
+    commits = []  # (scheduled ahead, verified drafts) per committed step
+    commit = LLMEngine._commit
+
+    def spy(self, sched, result, advanced):
+        commits.append((advanced, any(r.num_draft_slots for r in sched.rows)))
+        return commit(self, sched, result, advanced)
+
+    monkeypatch.setattr(LLMEngine, "_commit", spy)
+    got, eng = _run(tiny_qwen, True, 1.0, graphs, speculative_config=spec)
+    assert got == ref
+    st, ref_st = eng.spec_stats, sync_eng.spec_stats
+    assert (st.num_drafted_tokens, st.num_verified_tokens, st.num_accepted_tokens) == (
+        ref_st.num_drafted_tokens, ref_st.num_verified_tokens, ref_st.num_accepted_tokens)
+    ahead = [verified for advanced, verified in commits if advanced]
+    assert not any(ahead)  # a step that verifies drafts is never left in flight
+    assert any(verified for advanced, verified in commits if not advanced)
+    if table == "costly_drafter":  # drafting skipped between probes: those steps run ahead
+        assert len(ahead) >= 4 and st.num_drafted_tokens > 0
+    else:  # drafting pays: steps draft and verify, so they are waited for at once
+        assert 0 < st.num_verified_tokens < st.num_drafted_tokens
