@@ -290,7 +290,7 @@ class LLMEngine:
         if committed is not None and self.runner.spec is not None:  # (the last committed)
             self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
                                                len(committed[0].rows))  # fmt: skip
-        return outputs + self._deliver_outputs()  # (and any left by an abort's bookkeeping)
+        return outputs
 
     def _predictable(self, sched: SchedulerOutput) -> bool:
         """Whether every sampling row of this launched step emits exactly one token and it
