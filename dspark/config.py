@@ -133,7 +133,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.25
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
-    # schedule step N+1 while step N runs on the device (engines without speculation)
+    # schedule step N+1 while step N runs on the device (engines without speculation; with
+    # it, opt-in: DSPARK_SPEC_ASYNC=1, see schedules_ahead)
     async_scheduling: bool = True
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is sharded over
@@ -161,3 +162,14 @@ class EngineConfig:
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton'")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+def schedules_ahead(config: EngineConfig) -> bool:
+    """Whether an engine schedules a step before the previous one is committed (async
+    scheduling): one process, and no speculation unless DSPARK_SPEC_ASYNC=1 (speculative
+    engines then schedule ahead after steps that verify and draft nothing; not yet run on a
+    GPU). The model runner then feeds pending tokens on the device."""
+    import os
+
+    spec_ok = config.speculative_config is None or os.environ.get("DSPARK_SPEC_ASYNC") == "1"
+    return config.async_scheduling and spec_ok and config.tensor_parallel_size == 1

@@ -12,7 +12,6 @@ import atexit
 import gc
 import itertools
 import logging
-import os
 import time
 
 import torch
@@ -109,13 +108,9 @@ class LLMEngine:
         # (request, new tokens) committed by the last step whose outputs are not built yet
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
-        # async scheduling (one process): the step launched last and not yet committed, as
-        # (schedule, wait). Speculative engines schedule ahead only after steps that verify
-        # and draft nothing (the lagged policy's draft skipping): opt-in (DSPARK_SPEC_ASYNC=1)
-        # until measured on a GPU.
-        spec_ok = self.runner.spec is None or os.environ.get("DSPARK_SPEC_ASYNC") == "1"
-        self.async_scheduling = (config.async_scheduling and spec_ok
-                                 and config.tensor_parallel_size == 1)  # fmt: skip
+        # async scheduling (config.schedules_ahead): the step launched last and not yet
+        # committed, as (schedule, wait)
+        self.async_scheduling = self.runner.feeds_pending
         self._in_flight: tuple[SchedulerOutput, object] | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dspark.attention import select_backend
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, schedules_ahead
 from dspark.engine.input_batch import (
     HostStep,
     finalize,
@@ -96,6 +96,7 @@ class ModelRunner:
         # the token each request slot sampled last (the extra slot: padding rows), for the
         # inputs of a step scheduled while the previous one is in flight (PENDING_TOKEN)
         self.scratch_slot = config.max_num_seqs
+        self.feeds_pending = schedules_ahead(config)  # (else the buffer is never read)
         self.last_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64,
                                        device=device)  # fmt: skip
         self.num_blocks = self._num_kv_blocks()
@@ -286,7 +287,8 @@ class ModelRunner:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
             finalize(inp, None, None, None)
-        resolve_pending(inp, self.last_tokens)  # tokens of the step still in flight
+        if self.feeds_pending:
+            resolve_pending(inp, self.last_tokens)  # tokens of the step still in flight
         hidden, aux = self.forward(inp.input_ids, inp.attn_metadata(), inp.num_tokens)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if self.spec is not None:
@@ -295,7 +297,8 @@ class ModelRunner:
                 out, num_out = self.world.agree_tokens(out, num_out)
         else:
             out, num_out = sample_step(logits, inp)
-        record_emitted(self.last_tokens, inp, out, num_out)
+        if self.feeds_pending:
+            record_emitted(self.last_tokens, inp, out, num_out)
         host_out, done = None, None
         if self.tp.rank == 0:
             packed = pack_outputs(out, num_out, inp.lengths)

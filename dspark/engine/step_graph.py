@@ -345,7 +345,8 @@ class StepGraphs:
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
-        resolve_pending(inp, rn.last_tokens)  # tokens of the step still in flight
+        if rn.feeds_pending:
+            resolve_pending(inp, rn.last_tokens)  # tokens of the step still in flight
         hidden, aux = rn.eager_forward(inp.input_ids, inp.attn_metadata())
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
         if spec is None:
@@ -358,7 +359,8 @@ class StepGraphs:
             self.anchors[: inp.num_reqs].copy_(anchors)
             # padding rows (no tokens) would sit at position -1: give them an empty context
             self.anchor_pos[: inp.num_reqs].copy_(anchor_pos.clamp(min=0))
-        record_emitted(rn.last_tokens, inp, out, num_out)
+        if rn.feeds_pending:
+            record_emitted(rn.last_tokens, inp, out, num_out)
         return pack_outputs(out, num_out, inp.lengths)
 
     def _allocate(self, key: tuple) -> torch.Tensor:
