@@ -1,6 +1,7 @@
 """LLMEngine: requests in, tokens out, one step at a time.
 
-    step():  schedule -> runner.execute (pack, plan, allocate, forward, verify, draft) -> commit
+    step():  schedule -> runner.launch (pack, plan, allocate, forward, verify, draft)
+             -> outputs of the last commit (built while the device runs) -> wait -> commit
 
 The engine owns the CPU side (tokenizer, scheduler, block manager, request state) and the
 model runner owns the device side.
@@ -21,6 +22,7 @@ from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.output_builder import build_outputs, make_output
+from dspark.engine.prompt_input import prompt_token_ids
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.models.config import ModelConfig, parse_dtype
@@ -127,23 +129,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not self.scheduler.has_unfinished():
             self.mark_idle()  # the time since the last step was idle, not a step's cost
-        text, token_ids = self._tokenize(prompt)
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
-        if bad or any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size,
+                                           self.max_model_len, params.max_tokens)  # fmt: skip
         n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens, which does not fit max_model_len={self.max_model_len}"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt ({n} tokens) exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         counter = next(self._counter)
@@ -160,22 +148,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a token id list or a dict, got {prompt!r}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; no output of it comes out after this (not even one of an earlier
@@ -225,64 +197,48 @@ class LLMEngine:
         return self.runner.launch(sched, self.block_tables.rows([r.req for r in sched.rows]))
 
     def _step(self) -> list[RequestOutput]:
-        if self.async_scheduling:
-            return self._step_ahead()
+        """Schedule and launch a step, then build the outputs of the last commit while it runs
+        on the device (the previous call's), then commit.
+
+        Async scheduling: step N+1 is scheduled and launched while step N is still on the
+        device; then N is waited for, committed and its outputs delivered while N+1 runs,
+        so the device never waits for the host's scheduling, packing or commit. N+1 is
+        scheduled as if N's rows had advanced (`_advance`): a sampled token not yet known is
+        a PENDING_TOKEN input that the device takes from what N sampled. A request that N
+        finishes (a stop token) has a wasted row in N+1, dropped at its commit; one that N
+        finishes by length is not scheduled again. Blocks freed while a step is in flight
+        are only reused by later steps, which run after it on the same stream. Only a step
+        whose outcome is one token per sampling row stays in flight (`_predictable`); any
+        other (it verifies or drafts), and every step without async scheduling, is waited
+        for and committed in the call that launched it, after the step before it."""
         t0 = time.perf_counter()
         sched = self._schedule()
-        self.idle = sched.is_empty
-        if sched.is_empty:
-            return self._deliver_outputs()
-        wait = self._launch(sched)
-        # CPU/GPU overlap: the previous step's outputs (text, output objects, the driver's
-        # delivery) are built while this step runs on the device. Safe because that work
-        # reads only request state fixed by the previous commit and touches nothing the
-        # device reads; this step's commit comes after it.
-        outputs = self._deliver_outputs()
-        result = wait()
-        self.stats["steps"] += 1
-        self._unbuilt = self._commit(sched, result, advanced=False)
-        if not self.scheduler.has_unfinished():  # nothing to overlap with: deliver now
-            outputs += self._deliver_outputs()
-        period_ms = self._step_period_ms(t0)
-        if self.runner.spec is not None:  # the whole step, host work included, is the cost
-            self.runner.spec.observe_step_time(period_ms, result.num_tokens, len(sched.rows))
-        return outputs
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """Async scheduling: schedule and launch step N+1 while step N is still on the
-        device, then wait for N, commit it and deliver its outputs while N+1 runs, so the
-        device never waits for the host's scheduling, packing or commit.
-
-        Step N+1 is scheduled as if N's rows had advanced (`_advance`): a sampled token not
-        yet known is a PENDING_TOKEN input that the device takes from what N sampled. A
-        request that N finishes (a stop token) has a wasted row in N+1, dropped at its
-        commit; one that N finishes by length is not scheduled again. Blocks freed while a
-        step is in flight are only reused by later steps, which run after it on the same
-        stream. Only a step whose outcome is one token per sampling row stays in flight
-        (`_predictable`); any other (it verifies or drafts) is waited for and committed at
-        once, after the step before it."""
-        t0 = time.perf_counter()
-        sched = self._schedule()
-        launched = None
+        launched, ahead = None, False
         if not sched.is_empty:
             launched = (sched, self._launch(sched))
-            ahead = self._predictable(sched)
+            ahead = self.async_scheduling and self._predictable(sched)
             if ahead:
                 self._advance(sched)
         previous, self._in_flight = self._in_flight, None
         self.idle = launched is None and previous is None
-        committed, outputs = None, []
+        # the previous call's outputs: built while `launched` runs (reads only request state
+        # fixed by that commit and touches nothing the device reads)
+        outputs = self._deliver_outputs()
+        committed = None
         if previous is not None:
             committed = self._commit_launched(previous, advanced=True)
-            # (built now: one commit's outputs at a time, read from the request's state)
-            outputs = self._deliver_outputs()
+            outputs += self._deliver_outputs()  # (one commit's outputs at a time)
         if launched is not None:
             if ahead:
                 self._in_flight = launched
             else:
                 committed = self._commit_launched(launched, advanced=False)
-                outputs += self._deliver_outputs()
-        if committed is not None and self.runner.spec is not None:  # (the last committed)
+                # left for the next call to build while its step runs, unless none follows
+                # (with async scheduling: delivered at once, as a scheduled-ahead step's)
+                if self.async_scheduling or not self.scheduler.has_unfinished():
+                    outputs += self._deliver_outputs()
+        if committed is not None and self.runner.spec is not None:
+            # the whole step, host work included, is the cost (the last committed)
             self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
                                                len(committed[0].rows))  # fmt: skip
         return outputs

@@ -234,10 +234,6 @@ class ModelRunner:
         return num
 
     # -- the step ---------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray) -> StepResult:
-        """Run one step and wait for its results."""
-        return self.launch(sched, block_tables)()
-
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray):
         """Queue one step's device work and return `wait`, which blocks until the emitted
         tokens are on the host and returns the StepResult. The host works in between (outputs

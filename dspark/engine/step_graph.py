@@ -143,10 +143,6 @@ class StepGraphs:
         return self.spec is not None and self.spec.draft_enabled and not self.spec.probing
 
     # -- the step ------------------------------------------------------------------------------
-    def run(self, host: HostStep, key: tuple, budget: int | None = None) -> np.ndarray:
-        """Run one step and wait for it (see `start`)."""
-        return self.start(host, key, budget)()
-
     def start(self, host: HostStep, key: tuple, budget: int | None = None):
         """Queue one step's device work; returns `wait`, which blocks until the step's packed
         outputs are on the host and returns them in bucket layout (see `unpack_outputs`).

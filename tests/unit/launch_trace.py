@@ -1,7 +1,9 @@
 """A test helper: record an engine's step launches, waits and output deliveries in order."""
 
+from collections.abc import Callable
 
-def trace_steps(engine, log: list) -> callable:
+
+def trace_steps(engine, log: list) -> Callable:
     """Wrap engine.runner.launch (and set engine.on_outputs) so that ("launch", n), ("wait", n)
     and ("outputs", [(request id, finished), ...]) are appended to `log` as they happen.
     Returns the original launch, to restore."""
