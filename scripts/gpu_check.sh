@@ -13,6 +13,8 @@
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1..256 without 32)  -> $OUT/demo_e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
+#   diag    adaptive vs no-spec step by step on the 8B shape, SYNTHETIC acceptance, at DIAG_CONC
+#           (default 64,128; DIAG_ARMS, default nospec,adaptive,adaptive-async) -> $OUT/diag_adaptive.*
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min)
 #           -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
@@ -97,6 +99,13 @@ if has synth; then
     --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
     --out /tmp/synth ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/synth.log" | tail -30
   pack synth
+fi
+if has diag; then
+  python3 scripts/make_shape_dirs.py --out /tmp/shapes >/dev/null
+  timeout -k 10 ${DIAG_TIMEOUT:-420} python3 scripts/diag_adaptive.py --concurrency "${DIAG_CONC:-64,128}" \
+    --arms "${DIAG_ARMS:-nospec,adaptive,adaptive-async}" --out "$OUT" 2>&1 \
+    | grep -v "^SYNTHETIC" > "$OUT/diag.log"
+  cat "$OUT/diag_adaptive.txt" 2>/dev/null || tail -30 "$OUT/diag.log"
 fi
 if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_host_ceiling.py)
   for args in "--policy none" "--policy fixed" "--policy none --device-ms 1" \

@@ -76,7 +76,7 @@ def label_phases(llm: LLM) -> None:
     if runner.step_graphs is not None:  # the whole device half of most decode steps
         import dspark.engine.step_graph as sgm
 
-        _phase(runner.step_graphs, "run", "whole_step_graphs")
+        _phase(runner.step_graphs, "start", "whole_step_graphs")
         if not hasattr(sgm, "_orig_fill_host"):
             sgm._orig_fill_host = sgm.fill_host
             _phase(sgm, "fill_host", "fill_host")

@@ -146,3 +146,13 @@ def test_plan_cost():
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("2 requests") and all(k in line for k in ("plan", "bound", "search"))
+
+
+def test_diag_adaptive_smoke(tmp_path):
+    _smoke("diag_adaptive.py", tmp_path)
+    report = (tmp_path / "diag_adaptive.txt").read_text()
+    assert "### nospec at concurrency 3" in report and "### adaptive at concurrency 3" in report
+    records = json.loads((tmp_path / "diag_adaptive.json").read_text())
+    spec_steps = [r for r in records["adaptive@3"]["records"] if not r["prefill"]]
+    assert spec_steps and all(r["ms"] > 0 and r["emitted"] >= r["rows"] for r in spec_steps)
+    assert "verify 1/req: forward" in report  # the cost table's view of the decision

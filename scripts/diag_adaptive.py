@@ -1,0 +1,225 @@
+"""Why the adaptive policy wins or loses at a concurrency: its steps by kind (prefill, plain
+without drafting, plain while drafting, verifying b drafts) with the measured ms per step next
+to what its cost table predicts, and the table's own view of the drafting decision, beside a
+no-speculation engine on the same requests. Offline engines, pure decode after a warm-up pass.
+
+    python3 scripts/make_shape_dirs.py --out /tmp/shapes
+    python3 scripts/diag_adaptive.py --concurrency 64,128 --synthetic-rates 0.65,0.56,... --out $OUT
+    python3 scripts/diag_adaptive.py --smoke                   # CPU, tiny pair: the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(100, vocab - 100, length).tolist()}
+            for _ in range(n)]  # fmt: skip
+
+
+class StepLog:
+    """Wraps engine.step and runner.launch: one record per launched step (sync engines: the
+    step call's wall time; engines that schedule ahead: the call's period, i.e. the same)."""
+
+    def __init__(self, engine):
+        self.engine, self.records, self._pending = engine, [], []
+        runner = engine.runner
+        launch, step = runner.launch, engine.step
+
+        def spy_launch(sched, tables):
+            wait = launch(sched, tables)
+            spec = runner.spec
+            rec = {"rows": len(sched.rows), "tokens": sched.num_tokens,
+                   "prefill": any(r.num_non_draft_tokens > 1 for r in sched.rows),
+                   "slots": sum(r.num_draft_slots for r in sched.rows),
+                   "drafting": None if spec is None else bool(spec.draft_enabled),
+                   "budget": None if spec is None else spec.last_budget}  # fmt: skip
+            self._pending.append(rec)
+
+            def spy_wait():
+                result = wait()
+                rec["emitted"] = sum(len(e) for e in result.emitted)
+                rec["verified"] = sum(result.verified)
+                rec["forward_tokens"] = result.num_tokens
+                return result
+
+            return spy_wait
+
+        def spy_step():
+            t0 = time.perf_counter()
+            out = step()
+            ms = (time.perf_counter() - t0) * 1e3
+            for rec in self._pending:
+                rec["ms"] = ms / len(self._pending)
+            self.records += self._pending
+            self._pending = []
+            return out
+
+        runner.launch, engine.step = spy_launch, spy_step
+        self._originals = (launch, step)
+
+    def restore(self) -> None:
+        self.engine.runner.launch, self.engine.step = self._originals
+
+
+def kind(rec: dict) -> str:
+    if rec["prefill"]:
+        return "prefill"
+    if rec["drafting"] is None:
+        return "nospec"
+    if rec.get("verified", 0) == 0:
+        return "plain+draft" if rec["drafting"] else "plain"
+    return f"verify {rec['verified'] // max(rec['rows'], 1)}/req" + (
+        "" if rec["drafting"] else " (no draft)")
+
+
+def predicted_ms(spec, rec: dict) -> float | None:
+    cost = spec.cost if spec is not None else None
+    if cost is None or rec["prefill"]:
+        return None
+    n = rec.get("forward_tokens") or rec["tokens"]
+    if rec.get("verified", 0) == 0 and not rec["drafting"]:
+        fixed = spec.fixed_costs.plain_ms
+        return (cost.fixed_overhead_ms if fixed is None else fixed) + cost.verify_lookup(n)
+    draft = cost.draft_lookup(rec["rows"]) if rec["drafting"] else 0.0
+    return cost.fixed_overhead_ms + draft + cost.verify_lookup(n)
+
+
+def summarize(records: list[dict], spec) -> list[str]:
+    groups = collections.defaultdict(list)
+    for rec in records:
+        groups[kind(rec)].append(rec)
+    lines = [f"  {'step kind':<22}{'steps':>6}{'ms/step':>9}{'predicted':>10}{'tok/step':>9}"
+             f"{'tok/ms':>8}"]
+    for name, recs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        ms = float(np.mean([r["ms"] for r in recs]))
+        pred = [p for p in (predicted_ms(spec, r) for r in recs) if p is not None]
+        emitted = float(np.mean([r.get("emitted", 0) for r in recs]))
+        p = f"{np.mean(pred):10.2f}" if pred else f"{'-':>10}"
+        lines.append(f"  {name:<22}{len(recs):6d}{ms:9.2f}{p}{emitted:9.1f}{emitted / ms:8.2f}")
+    decode = [r for r in records if not r["prefill"]]
+    if decode:
+        ms, toks = sum(r["ms"] for r in decode), sum(r.get("emitted", 0) for r in decode)
+        lines.append(f"  decode steps overall: {len(decode)} steps, {ms / len(decode):.2f} ms/step,"
+                     f" {toks / ms:.2f} tokens/ms")
+    return lines
+
+
+def table_view(spec, conc: int) -> list[str]:
+    """The cost table's prediction of plain decoding and of verifying l drafts per request."""
+    cost = spec.cost
+    if cost is None:
+        return ["  (no cost table)"]
+    surv = spec._survival
+    plain_fixed = spec.fixed_costs.plain_ms
+    fixed = cost.fixed_overhead_ms
+    plain = (fixed if plain_fixed is None else plain_fixed) + cost.verify_lookup(conc)
+    lines = [f"  fixed (spec) {fixed:.2f} ms, fixed (plain) "
+             f"{'-' if plain_fixed is None else f'{plain_fixed:.2f}'} ms, "
+             f"drafter({conc} reqs) {cost.draft_lookup(conc):.2f} ms, "
+             f"survival {None if surv is None else [round(float(x), 3) for x in surv]}",
+             f"  plain: {plain:.2f} ms -> {conc / plain:.2f} tok/ms"]
+    for length in range(1, spec.k + 1):
+        t = float(cost.step_time_lookup(np.array([conc * (1 + length)]), conc)[0])
+        gain = conc * (1 + (0 if surv is None else float(np.sum(surv[:length]))))
+        lines.append(f"  verify {length}/req: forward {cost.verify_lookup(conc * (1 + length)):.2f}"
+                     f" ms, step {t:.2f} ms -> {gain / t:.2f} tok/ms (table)")
+    return lines
+
+
+def measure(llm, args, conc: int) -> tuple[list[str], dict]:
+    from dspark import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(prompts(conc, args.prompt_len, vocab, 1), params, use_tqdm=False)  # warm-up
+    log = StepLog(llm.engine)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts(conc, args.prompt_len, vocab, 2), params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    log.restore()
+    spec = llm.engine.runner.spec
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, with prefill)"]
+    lines += summarize(log.records, spec)
+    if spec is not None and spec.cost is not None:
+        lines += table_view(spec, conc)
+    return lines, {"tok_s": toks / wall, "records": log.records}
+
+
+def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
+    """One engine per arm; `-async` arms schedule ahead (DSPARK_SPEC_ASYNC=1, read at start)."""
+    from dspark import LLM
+
+    extra = {"device": "cpu", "enforce_eager": True} if args.smoke else {}
+    os.environ["DSPARK_SPEC_ASYNC"] = "1" if arm.endswith("-async") else "0"
+    out = {}
+    with LLM(args.target, speculative_config=spec_cfg, load_format=args.load_format,
+             max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
+             max_num_batched_tokens=args.max_num_batched_tokens, **extra) as llm:  # fmt: skip
+        for conc in levels:
+            lines, data = measure(llm, args, conc)
+            title = f"### {arm} at concurrency {conc}"
+            if spec_cfg is not None and args.synthetic_rates:
+                title += " (SYNTHETIC acceptance)"
+            print("\n".join([title] + lines), flush=True)
+            out[conc] = ([title] + lines, data)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="/tmp/shapes/qwen3-8b")
+    ap.add_argument("--drafter", default="/tmp/shapes/qwen3-8b-dspark")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--concurrency", default="64,128")
+    ap.add_argument("--arms", default="nospec,adaptive",
+                    help="from nospec,fixed,adaptive; an -async suffix: schedules ahead")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--synthetic-rates", default="0.65,0.56,0.55,0.55,0.57,0.76,0.8")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random pair")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    if args.smoke:  # the bundled demo pair on the CPU
+        args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
+        args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
+    spec = {"model": args.drafter, "num_speculative_tokens": args.k}
+    if args.synthetic_rates:
+        spec["rejection_sample_method"] = "synthetic"
+        spec["synthetic_acceptance_rates"] = [float(x) for x in args.synthetic_rates.split(",")]
+    arm_cfgs = {"nospec": None, "fixed": dict(spec, adaptive_policy="fixed"),
+                "adaptive": dict(spec, enable_adaptive_verification=True)}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = {arm: run_arm(args, arm, arm_cfgs[arm.removesuffix("-async")], levels)
+               for arm in args.arms.split(",")}  # fmt: skip
+    report, dump = [], {}
+    for conc in levels:  # grouped by concurrency
+        for arm, by_level in results.items():
+            report += by_level[conc][0]
+            dump[f"{arm}@{conc}"] = by_level[conc][1]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "diag_adaptive.txt"), "w") as f:
+        f.write("\n".join(report) + "\n")
+    with open(os.path.join(args.out, "diag_adaptive.json"), "w") as f:
+        json.dump(dump, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
