@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
 
@@ -159,6 +160,35 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     return lines, {"tok_s": toks / wall, "records": log.records}
 
 
+def drafter_table(runner, conc: int) -> str:
+    """The drafter alone (context write + one block proposal for `conc` rows, as served: its
+    graph where whole-step graphs exist): ms per call and its top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark.spec.profiler import _draft_step
+
+    step = _draft_step(runner, conc, 512)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    sync()
+    ms = (time.perf_counter() - t0) * 100
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            step()
+        sync()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return (f"  drafter for {conc} rows: {ms:.2f} ms per call (5 calls profiled)\n"
+            + prof.key_averages().table(sort_by=key, row_limit=25))
+
+
 def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
     """One engine per arm; `-async` arms schedule ahead (DSPARK_SPEC_ASYNC=1, read at start)."""
     from dspark import LLM
@@ -174,6 +204,12 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
             title = f"### {arm} at concurrency {conc}"
             if spec_cfg is not None and args.synthetic_rates:
                 title += " (SYNTHETIC acceptance)"
+            if f"{arm}@{conc}" in args.kernel_tables.split(","):
+                from diag_step_paths import kernel_table
+
+                lines.append(kernel_table(llm.engine, arm, conc, args.prompt_len, 30))
+            if f"draft@{conc}" in args.kernel_tables.split(",") and spec_cfg is not None:
+                lines.append(drafter_table(llm.engine.runner, conc))
             print("\n".join([title] + lines), flush=True)
             out[conc] = ([title] + lines, data)
     return out
@@ -188,6 +224,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="64,128")
     ap.add_argument("--arms", default="nospec,adaptive",
                     help="from nospec,fixed,adaptive; an -async suffix: schedules ahead")
+    ap.add_argument("--kernel-tables", default="",
+                    help="ARM@CONC,...: also the top kernels by CUDA time of 8 decode steps; "
+                    "draft@CONC: of the drafter alone (speculative arms)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
@@ -199,6 +238,7 @@ def main() -> int:
     if args.smoke:  # the bundled demo pair on the CPU
         args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
         args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
+        args.kernel_tables = "adaptive@3,draft@3"
     spec = {"model": args.drafter, "num_speculative_tokens": args.k}
     if args.synthetic_rates:
         spec["rejection_sample_method"] = "synthetic"

@@ -103,7 +103,8 @@ fi
 if has diag; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes >/dev/null
   timeout -k 10 ${DIAG_TIMEOUT:-420} python3 scripts/diag_adaptive.py --concurrency "${DIAG_CONC:-64,128}" \
-    --arms "${DIAG_ARMS:-nospec,adaptive,adaptive-async}" --out "$OUT" 2>&1 \
+    --arms "${DIAG_ARMS:-nospec,adaptive,adaptive-async}" --kernel-tables "${DIAG_KERNELS:-}" \
+    --out "$OUT" 2>&1 \
     | grep -v "^SYNTHETIC" > "$OUT/diag.log"
   cat "$OUT/diag_adaptive.txt" 2>/dev/null || tail -30 "$OUT/diag.log"
 fi

@@ -21,6 +21,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
+from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
@@ -62,12 +63,8 @@ class SpecDecoder:
         self.conf_logits = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         self.trace: list[dict] | None = None  # per-step records while tracing (host syncs!)
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
-        # double buffer: the device copies into staging; the planner reads host_conf, which
-        # takes staging's contents once that copy has landed (never waiting for it)
-        pin = device.type == "cuda"
-        self.host_conf = torch.ones(slots, self.k, dtype=torch.float32)
-        self._host_staging = torch.ones(slots, self.k, dtype=torch.float32, pin_memory=pin)
-        self._conf_copy_done: torch.cuda.Event | None = None
+        # the planner reads the newest copy of `conf` that has landed, never waiting for one
+        self.host_confs = LandedCopies((slots, self.k), device)
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
             rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)
@@ -203,10 +200,7 @@ class SpecDecoder:
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never
         waiting for the device)."""
-        ev = self._conf_copy_done
-        if ev is None or ev.query():
-            self.host_conf.copy_(self._host_staging)
-        return self.host_conf.numpy()[slots]
+        return self.host_confs.read()[slots]
 
     # -- allocate (device, live confidences) ----------------------------------------------------
     def choose_lengths(self, inp: StepInputs, budget: int | None) -> None:
@@ -350,11 +344,7 @@ class SpecDecoder:
         return self.draft_enabled and (not self.probing or i < _PROBE_ROWS)
 
     def _copy_conf_to_host(self) -> None:
-        self._host_staging.copy_(self.conf, non_blocking=True)
-        if self.device.type == "cuda":
-            if self._conf_copy_done is None:  # one event, re-recorded: the latest copy counts
-                self._conf_copy_done = torch.cuda.Event()
-            self._conf_copy_done.record()
+        self.host_confs.push(self.conf)
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
         """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""

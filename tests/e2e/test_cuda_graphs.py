@@ -1,5 +1,6 @@
 """CUDA-graph replay equals eager, token for token, across changing ragged boundaries."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,37 @@ def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_pa
         b = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
         slow.shutdown()
         assert a == b, name
+
+
+def test_planner_reads_landed_confidences_on_graphs(ckpt_dir, tmp_path):
+    """The lagged planner's stale confidences come from copies that land while the next step
+    is planned (on the H200 a single re-recorded event hid every landed copy: the planner saw
+    the initial 1.0 for the whole run). With synthetic acceptance the confidences are the
+    rates: the reads must show them, never more than two copies behind."""
+    from dspark.spec.cost_model import CostModel
+
+    path = ckpt_dir("qwen3_gqa2")
+    table = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.02,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(table)  # fmt: skip
+    rates = [0.9, 0.6, 0.3, 0.1]
+    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=5),
+            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": table,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates}
+    llm = CudaLLM(path, speculative_config=spec)
+    sd = llm.engine.runner.spec
+    reads, stale = [], sd._stale
+
+    def spy(slots):
+        conf = stale(slots)
+        reads.append((sd.host_confs.lag, conf.copy()))
+        return conf
+
+    sd._stale = spy
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(8)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    steady = reads[len(reads) // 4:]
+    assert steady and all(lag <= 2 for lag, _ in steady), [lag for lag, _ in steady]
+    landed = [c for _, c in steady if np.allclose(c, rates, atol=1e-6)]
+    assert len(landed) >= len(steady) // 2, (len(landed), len(steady))
+    llm.shutdown()
