@@ -133,8 +133,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 0.25
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False
-    # schedule step N+1 while step N runs on the device (engines without speculation; with
-    # it, opt-in: DSPARK_SPEC_ASYNC=1, see schedules_ahead)
+    # schedule step N+1 while step N runs on the device (speculative engines: after steps
+    # that verify and draft nothing; see schedules_ahead)
     async_scheduling: bool = True
     load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights, benchmarks)
     tensor_parallel_size: int = 1  # processes (GPUs) the model is sharded over
@@ -166,10 +166,6 @@ class EngineConfig:
 
 def schedules_ahead(config: EngineConfig) -> bool:
     """Whether an engine schedules a step before the previous one is committed (async
-    scheduling): one process, and no speculation unless DSPARK_SPEC_ASYNC=1 (speculative
-    engines then schedule ahead after steps that verify and draft nothing; not yet run on a
-    GPU). The model runner then feeds pending tokens on the device."""
-    import os
-
-    spec_ok = config.speculative_config is None or os.environ.get("DSPARK_SPEC_ASYNC") == "1"
-    return config.async_scheduling and spec_ok and config.tensor_parallel_size == 1
+    scheduling): one process (speculative engines schedule ahead after steps that verify and
+    draft nothing). The model runner then feeds pending tokens on the device."""
+    return config.async_scheduling and config.tensor_parallel_size == 1

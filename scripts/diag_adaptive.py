@@ -168,33 +168,71 @@ def drafter_table(runner, conc: int) -> str:
 
     from dspark.spec.profiler import _draft_step
 
-    step = _draft_step(runner, conc, 512)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(3):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        step()
-    sync()
-    ms = (time.perf_counter() - t0) * 100
+    ms = {}
+    for greedy in (False, True):
+        step = _draft_step(runner, conc, 512, greedy=greedy)
+        for _ in range(3):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        sync()
+        ms[greedy] = (time.perf_counter() - t0) * 100
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(5):
             step()
         sync()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return (f"  drafter for {conc} rows: {ms:.2f} ms per call (5 calls profiled)\n"
+    return (f"  drafter for {conc} rows: {ms[False]:.2f} ms per call sampled, {ms[True]:.2f} ms "
+            "greedy (5 greedy calls profiled)\n"
             + prof.key_averages().table(sort_by=key, row_limit=25))
 
 
+def prefill_table(llm, conc: int, prompt_len: int) -> str:
+    """The prefill steps of `conc` requests (ms per step, top kernels by CUDA time): what the
+    drafter's context pass adds to a prompt chunk."""
+    import torch
+    from host_step_cost import prefill_all
+    from profile_step import label_phases
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark import SamplingParams
+
+    engine = llm.engine
+    label_phases(llm)  # phase:: ranges (target forward, write_context, propose, ...)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i, p in enumerate(prompts(conc, prompt_len, vocab, 5)):
+        engine.add_request(f"prefill-{i}", p, params)
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps0 = engine.stats["steps"]
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        prefill_all(engine)
+    ms = (time.perf_counter() - t0) * 1e3
+    steps = engine.stats["steps"] - steps0
+    while engine.has_unfinished_requests():
+        engine.step()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    ka = prof.key_averages()
+    phases = [f"    {e.key[7:]:<16} device {getattr(e, 'device_time_total', 0) / 1e3:8.2f} ms"
+              f"  host {e.cpu_time_total / 1e3:8.2f} ms  ({e.count} calls)"
+              for e in ka if e.key.startswith("phase::")]  # fmt: skip
+    return "\n".join([f"  prefill of {conc} x {prompt_len} tokens: {steps} steps, {ms:.1f} ms "
+                      "(profiled)"] + phases + [ka.table(sort_by=key, row_limit=25)])
+
+
 def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
-    """One engine per arm; `-async` arms schedule ahead (DSPARK_SPEC_ASYNC=1, read at start)."""
+    """One engine per arm; a `-sync` suffix turns async scheduling off."""
     from dspark import LLM
 
     extra = {"device": "cpu", "enforce_eager": True} if args.smoke else {}
-    os.environ["DSPARK_SPEC_ASYNC"] = "1" if arm.endswith("-async") else "0"
+    extra["async_scheduling"] = not arm.endswith("-sync")
     out = {}
     with LLM(args.target, speculative_config=spec_cfg, load_format=args.load_format,
              max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
@@ -208,6 +246,8 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
                 from diag_step_paths import kernel_table
 
                 lines.append(kernel_table(llm.engine, arm, conc, args.prompt_len, 30))
+            if f"prefill@{conc}" in args.kernel_tables.split(","):
+                lines.append(prefill_table(llm, conc, args.prompt_len))
             if f"draft@{conc}" in args.kernel_tables.split(",") and spec_cfg is not None:
                 lines.append(drafter_table(llm.engine.runner, conc))
             print("\n".join([title] + lines), flush=True)
@@ -223,10 +263,11 @@ def main() -> int:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--concurrency", default="64,128")
     ap.add_argument("--arms", default="nospec,adaptive",
-                    help="from nospec,fixed,adaptive; an -async suffix: schedules ahead")
+                    help="from nospec,fixed,adaptive; a -sync suffix: no async scheduling")
     ap.add_argument("--kernel-tables", default="",
                     help="ARM@CONC,...: also the top kernels by CUDA time of 8 decode steps; "
-                    "draft@CONC: of the drafter alone (speculative arms)")
+                    "draft@CONC: of the drafter alone (speculative arms); prefill@CONC: of the "
+                    "prefill steps of CONC prompts")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
@@ -238,7 +279,7 @@ def main() -> int:
     if args.smoke:  # the bundled demo pair on the CPU
         args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
         args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
-        args.kernel_tables = "adaptive@3,draft@3"
+        args.kernel_tables = "adaptive@3,draft@3,prefill@3"
     spec = {"model": args.drafter, "num_speculative_tokens": args.k}
     if args.synthetic_rates:
         spec["rejection_sample_method"] = "synthetic"
@@ -246,7 +287,7 @@ def main() -> int:
     arm_cfgs = {"nospec": None, "fixed": dict(spec, adaptive_policy="fixed"),
                 "adaptive": dict(spec, enable_adaptive_verification=True)}
     levels = [int(c) for c in args.concurrency.split(",")]
-    results = {arm: run_arm(args, arm, arm_cfgs[arm.removesuffix("-async")], levels)
+    results = {arm: run_arm(args, arm, arm_cfgs[arm.removesuffix("-sync")], levels)
                for arm in args.arms.split(",")}  # fmt: skip
     report, dump = [], {}
     for conc in levels:  # grouped by concurrency

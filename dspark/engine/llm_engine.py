@@ -212,6 +212,7 @@ class LLMEngine:
         other (it verifies or drafts), and every step without async scheduling, is waited
         for and committed in the call that launched it, after the step before it."""
         t0 = time.perf_counter()
+        captures = self.runner.num_graph_captures()
         sched = self._schedule()
         launched, ahead = None, False
         if not sched.is_empty:
@@ -237,7 +238,8 @@ class LLMEngine:
                 # (with async scheduling: delivered at once, as a scheduled-ahead step's)
                 if self.async_scheduling or not self.scheduler.has_unfinished():
                     outputs += self._deliver_outputs()
-        if committed is not None and self.runner.spec is not None:
+        if (committed is not None and self.runner.spec is not None
+                and self.runner.num_graph_captures() == captures):  # a capture is no step's cost
             # the whole step, host work included, is the cost (the last committed)
             self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
                                                len(committed[0].rows))  # fmt: skip

@@ -146,9 +146,9 @@ class ModelRunner:
             if self.graphs is not None and self.world is None and self.tp.size == 1:
                 try:
                     self.step_graphs = StepGraphs(self)
-                    # trimmed-step graphs up front: opt-in until measured on a GPU at scale
+                    # trimmed-step graphs up front too (DSPARK_CAPTURE_TRIMS=0: on first use)
                     self.step_graphs.capture_all(
-                        trims=os.environ.get("DSPARK_CAPTURE_TRIMS") == "1")
+                        trims=os.environ.get("DSPARK_CAPTURE_TRIMS") != "0")
                     if self.spec is not None:  # trimmed lagged steps are graphs too
                         self.spec.graph_steps = self.spec.graph_trims = True
                 except Exception:  # the per-phase graphs above still serve
@@ -234,6 +234,11 @@ class ModelRunner:
         return num
 
     # -- the step ---------------------------------------------------------------------------
+    def num_graph_captures(self) -> int:
+        """Whole-step graphs captured or failed so far (a first-use capture stalls its step)."""
+        sg = self.step_graphs
+        return 0 if sg is None else len(sg.graphs) + len(sg.failed)
+
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray):
         """Queue one step's device work and return `wait`, which blocks until the emitted
         tokens are on the host and returns the StepResult. The host works in between (outputs

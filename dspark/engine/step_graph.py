@@ -23,9 +23,9 @@ drafting was skipped). Steps with prefill chunks, top-k/top-p/min-p, probes, tra
 threshold / early-stop policies or tensor parallelism run the per-phase path (target-forward
 and drafter graphs, eager glue).
 
-"spec" and "plain" graphs are captured before serving (`capture_all`, dummy steps); "trim"
-graphs too with DSPARK_CAPTURE_TRIMS=1 (not yet run on a GPU at 8B scale), else on first use:
-the step runs eagerly once (warm-up, same result), is captured and replayed. Every op of a
+Every graph is captured before serving (`capture_all`, dummy steps), "trim" graphs too unless
+DSPARK_CAPTURE_TRIMS=0; a key not captured is captured on first use: the step runs eagerly
+once (warm-up, same result), is captured and replayed. Every op of a
 step is deterministic given its inputs, so re-running it over the same inputs writes the same
 KV, drafts and outputs. A failed capture marks its key: those steps take the per-phase path.
 """
@@ -258,12 +258,12 @@ class StepGraphs:
         if self.use_graphs:
             torch.cuda.synchronize()
 
-    def draft_step(self, num_reqs: int):
+    def draft_step(self, num_reqs: int, greedy: bool = False):
         """The drafter's part of a whole-step graph for `num_reqs` rows, as a callable (for
         the cost profile: drafting costs what it costs in serving, not an eager pass)."""
         rb = next(b for b in self.buckets if b >= num_reqs)
-        self._dummy_inputs(("spec", rb, "sample"))
-        method = self.spec.draft_method(False)
+        self._dummy_inputs(("spec", rb, "greedy" if greedy else "sample"))
+        method = self.spec.draft_method(greedy)
         return lambda: self._replay(("draft", rb, method), lambda: self._draft(rb, method))
 
     def _dummy_inputs(self, key: tuple, real_rows: int | None = None) -> None:

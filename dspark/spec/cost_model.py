@@ -4,6 +4,11 @@
                                        + draft_cost(num_reqs)       (drafter: not trimmable)
                                        + verify_cost(num_tokens)    (target forward)
 
+The drafter has two tables over the same request counts: sampled drafts (the [R, K, V]
+distributions and a sample per slot) and greedy drafts (argmax only: every request at
+temperature 0), about half the cost at 8B scale; `use_greedy_drafts` picks the one the next
+steps pay (a table without greedy times uses the sampled one).
+
 `num_tokens` is the total token count of the target forward (anchors + verified drafts +
 prefill tokens); `num_reqs` the number of decoding requests. Both costs are tables of measured
 points (medians), interpolated piecewise-linearly, held flat below the first point, and
@@ -75,6 +80,7 @@ class CostModel:
     verify_ms: np.ndarray  # [P] target-forward time at those counts
     draft_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [Q] request counts
     draft_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [Q] drafter time
+    draft_greedy_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [Q] or [0]
     fixed_overhead_ms: float = 0.0
     graph_sizes: tuple[int, ...] | None = None  # captured token buckets (sorted)
     provenance: dict[str, Any] = field(default_factory=dict)
@@ -82,10 +88,19 @@ class CostModel:
     _verify_dense: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
                                       repr=False, compare=False)  # fmt: skip
     _draft_by_reqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    greedy_drafts: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         self.verify_tokens, self.verify_ms = _monotone_table(
             self.verify_tokens, self.verify_ms, "verify table")
+        greedy = np.asarray(self.draft_greedy_ms, dtype=np.float64).reshape(-1)
+        if greedy.size and greedy.size != np.asarray(self.draft_reqs).size:
+            raise ValueError(f"draft table: {np.asarray(self.draft_reqs).size} request counts "
+                             f"but {greedy.size} greedy times")
+        if greedy.size:
+            _, self.draft_greedy_ms = _monotone_table(self.draft_reqs, greedy, "greedy drafts")
+        else:
+            self.draft_greedy_ms = greedy
         self.draft_reqs, self.draft_ms = _monotone_table(
             self.draft_reqs, self.draft_ms, "draft table")
         self.fixed_overhead_ms = float(self.fixed_overhead_ms)
@@ -109,6 +124,7 @@ class CostModel:
         fixed_ms: float = 0.0,
         provenance: dict[str, Any] | None = None,
         graph_sizes: Sequence[int] | None = None,
+        draft_greedy_times_ms: Sequence[float] | None = None,
     ) -> CostModel:
         """Build from profiled medians (verify times per token count, draft times per R)."""
         return cls(
@@ -116,6 +132,7 @@ class CostModel:
             verify_ms=np.asarray(times_ms),
             draft_reqs=np.asarray(draft_reqs if draft_reqs is not None else []),
             draft_ms=np.asarray(draft_times_ms if draft_times_ms is not None else []),
+            draft_greedy_ms=np.asarray(draft_greedy_times_ms or []),
             fixed_overhead_ms=fixed_ms,
             graph_sizes=tuple(graph_sizes) if graph_sizes is not None else None,
             provenance=provenance or {},
@@ -172,7 +189,19 @@ class CostModel:
         return _interp(n, self.verify_tokens, self.verify_ms)
 
     def draft_cost_ms(self, num_reqs) -> np.ndarray:
-        return _interp(np.asarray(num_reqs, dtype=np.float64), self.draft_reqs, self.draft_ms)
+        greedy = self.greedy_drafts and self.draft_greedy_ms.size
+        table = self.draft_greedy_ms if greedy else self.draft_ms
+        return _interp(np.asarray(num_reqs, dtype=np.float64), self.draft_reqs, table)
+
+    def use_greedy_drafts(self, greedy: bool) -> bool:
+        """Price the drafter as greedy (every request at temperature 0) or sampled from now
+        on. Returns True when the prices changed (device tables built from them are stale)."""
+        greedy = bool(greedy)
+        if greedy == self.greedy_drafts:
+            return False
+        self.greedy_drafts = greedy
+        self._draft_by_reqs.clear()
+        return bool(self.draft_greedy_ms.size)
 
     def step_time_ms(self, num_tokens, num_reqs) -> np.ndarray:
         """Vectorized over numpy arrays (broadcast); returns float64 ms, always > 0."""
@@ -283,7 +312,8 @@ class CostModel:
             "fixed_overhead_ms": self.fixed_overhead_ms,
             "verify": {"num_tokens": self.verify_tokens.tolist(),
                        "ms": self.verify_ms.tolist()},
-            "draft": {"num_reqs": self.draft_reqs.tolist(), "ms": self.draft_ms.tolist()},
+            "draft": {"num_reqs": self.draft_reqs.tolist(), "ms": self.draft_ms.tolist(),
+                      "greedy_ms": self.draft_greedy_ms.tolist()},
             "graph_sizes": list(self.graph_sizes) if self.graph_sizes else None,
             "provenance": self.provenance,
         }
@@ -299,6 +329,7 @@ class CostModel:
             verify_ms=np.asarray(d["verify"]["ms"]),
             draft_reqs=np.asarray(d.get("draft", {}).get("num_reqs", [])),
             draft_ms=np.asarray(d.get("draft", {}).get("ms", [])),
+            draft_greedy_ms=np.asarray(d.get("draft", {}).get("greedy_ms", [])),
             fixed_overhead_ms=d.get("fixed_overhead_ms", 0.0),
             graph_sizes=tuple(d["graph_sizes"]) if d.get("graph_sizes") else None,
             provenance=d.get("provenance", {}),

@@ -75,7 +75,7 @@ def profile_cost_model(
 
         counts.append(n)
         times.append(median_of_repeats(target_step, repeats, warmup))
-    draft_reqs, draft_times = [], []
+    draft_reqs, draft_times, greedy_times = [], [], []
     if spec is not None:
         for r in sorted({1, 4, 16, 64, 256, cfg.max_num_seqs}):
             if r > cfg.max_num_seqs:
@@ -83,6 +83,8 @@ def profile_cost_model(
             draft_reqs.append(r)
             step = _draft_step(runner, r, context_len)
             draft_times.append(median_of_repeats(step, repeats, warmup))
+            step = _draft_step(runner, r, context_len, greedy=True)
+            greedy_times.append(median_of_repeats(step, repeats, warmup))
     graph_sizes = runner.graphs.buckets if runner.graphs is not None else None
     prov = make_provenance(
         model=cfg.model, dtype=str(runner.dtype).replace("torch.", ""),
@@ -90,14 +92,16 @@ def profile_cost_model(
         context_len=context_len, source="profiled", graph_sizes=graph_sizes,
     )  # fmt: skip
     return CostModel.from_measurements(
-        counts, times, draft_reqs, draft_times, 0.0, prov, graph_sizes=graph_sizes
+        counts, times, draft_reqs, draft_times, 0.0, prov, graph_sizes=graph_sizes,
+        draft_greedy_times_ms=greedy_times,
     )
 
 
-def _draft_step(runner, num_reqs: int, context_len: int):
+def _draft_step(runner, num_reqs: int, context_len: int, greedy: bool = False):
+    """The drafter's work of one step for `num_reqs` rows (sampled drafts, or argmax only)."""
     spec = runner.spec
     if runner.step_graphs is not None:  # serving drafts inside whole-step graphs: time those
-        return runner.step_graphs.draft_step(num_reqs)
+        return runner.step_graphs.draft_step(num_reqs, greedy)
     n = num_reqs * (1 + spec.k)
     ids, md = _dummy_batch(runner, n, num_reqs, context_len)
     d = spec.drafter
@@ -112,7 +116,7 @@ def _draft_step(runner, num_reqs: int, context_len: int):
         d.write_context(aux, md.positions, md.slot_mapping, spec.kv_caches, runner.backend)
         d.propose(
             anchors, anchor_pos, md.block_tables, context_len + spec.k + 1, spec.kv_caches,
-            runner.backend, spec.k, temp, seeds, seeds, spec.sc.draft_sample_method,
+            runner.backend, spec.k, temp, seeds, seeds, spec.draft_method(greedy),
             spec.needs_max_probs,
         )  # fmt: skip
 

@@ -164,10 +164,9 @@ def test_async_scheduling_on_graphs_matches_synchronous_eager(ckpt_dir, temperat
 @pytest.mark.parametrize("capture_trims", [False, True])
 def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_path, monkeypatch,
                                                                 capture_trims):  # fmt: skip
-    """Opt-in paths still to be validated on a GPU (DSPARK_SPEC_ASYNC=1: a lagged engine
-    skipping drafts schedules ahead; DSPARK_CAPTURE_TRIMS=1: trimmed-step graphs captured at
-    start-up): tokens equal one-at-a-time eager steps. Two tables: drafting skipped (probes
-    every 4 steps) and drafting with trims."""
+    """A lagged engine skipping drafts schedules ahead; trimmed-step graphs are captured at
+    start-up (DSPARK_CAPTURE_TRIMS=0: on first use): tokens equal one-at-a-time eager steps.
+    Two tables: drafting skipped (probes every 4 steps) and drafting with trims."""
     import dspark.spec.decoder as decoder_mod
     from dspark.spec.cost_model import CostModel
 
@@ -189,7 +188,6 @@ def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_pa
                            **kw).to_json(table)  # fmt: skip
         spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
                 "cost_table_path": table, "draft_sample_method": "probabilistic", **extra}
-        monkeypatch.setenv("DSPARK_SPEC_ASYNC", "1")
         monkeypatch.setenv("DSPARK_CAPTURE_TRIMS", "1" if capture_trims else "0")
         fast = CudaLLM(path, dtype="float32", speculative_config=spec)
         assert fast.engine.async_scheduling
@@ -199,8 +197,8 @@ def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_pa
         if capture_trims and name == "trim":
             assert all(key in sg.graphs for key in sg.steps if key[0] == "trim")
         fast.shutdown()
-        monkeypatch.delenv("DSPARK_SPEC_ASYNC")
-        slow = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
+        slow = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True,
+                       async_scheduling=False)
         b = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
         slow.shutdown()
         assert a == b, name

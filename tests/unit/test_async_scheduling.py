@@ -151,7 +151,6 @@ def test_speculative_engine_schedules_ahead_only_after_plain_steps(
     monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
     spec = _lagged_spec(drafter, tmp_path, table)
     ref, sync_eng = _run(tiny_qwen, False, 1.0, graphs, speculative_config=spec)
-    monkeypatch.setenv("DSPARK_SPEC_ASYNC", "1")
     commits = []  # (scheduled ahead, verified drafts) per committed step
     commit = LLMEngine._commit
 

@@ -152,3 +152,25 @@ def test_budget_candidates_are_exactly_the_bucket_filling_budgets():
             got = cost.budget_candidates(fixed, max_budget)
             assert got.tolist() == want, (fixed, max_budget)
     assert CostModel.analytic().budget_candidates(5, 7).tolist() == list(range(8))
+
+
+def test_greedy_drafter_table_prices_all_greedy_steps(tmp_path):
+    """Greedy drafts (argmax only) cost less than sampled ones; the planner prices the drafter
+    it will run. A table without greedy times prices both alike; JSON keeps the table."""
+    cm = CostModel.from_measurements([1, 64], [1.0, 3.0], [1, 64], [0.5, 8.0],
+                                     draft_greedy_times_ms=[0.4, 4.0])  # fmt: skip
+    n = np.array([32, 64])
+    sampled = cm.step_time_lookup(n, 64).copy()
+    assert cm.draft_lookup(64) == 8.0 and not cm.greedy_drafts
+    assert cm.use_greedy_drafts(True) and not cm.use_greedy_drafts(True)  # changed once
+    assert cm.draft_lookup(64) == 4.0 and cm.draft_cost_ms(32) == pytest.approx(0.4 + 3.6 * 31 / 63)
+    np.testing.assert_allclose(cm.step_time_lookup(n, 64), sampled - 4.0)
+    path = tmp_path / "cost.json"
+    cm.to_json(path)
+    back = CostModel.from_json(path)
+    back.use_greedy_drafts(True)
+    assert back.draft_lookup(64) == 4.0
+    old = CostModel.from_measurements([1, 64], [1.0, 3.0], [1, 64], [0.5, 8.0])
+    assert not old.use_greedy_drafts(True) and old.draft_lookup(64) == 8.0  # nothing changed
+    with pytest.raises(ValueError, match="greedy times"):
+        CostModel.from_measurements([1], [1.0], [1, 64], [0.5, 8.0], draft_greedy_times_ms=[0.4])

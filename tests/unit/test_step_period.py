@@ -20,7 +20,8 @@ def drafter(tiny_qwen, tmp_path_factory):
 
 
 def test_observed_step_cost_spans_the_drivers_work_between_steps(tiny_qwen, drafter):
-    llm = LLM(tiny_qwen, device="cpu", speculative_config={
+    # one step committed per call (a step scheduled ahead is observed in the next call: below)
+    llm = LLM(tiny_qwen, device="cpu", async_scheduling=False, speculative_config={
         "model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "lagged"})
     eng, spec = llm.engine, llm.engine.runner.spec
     eng.stream_outputs = True
@@ -58,3 +59,28 @@ def test_observed_step_cost_spans_the_drivers_work_between_steps(tiny_qwen, draf
     eng.step()
     third = (time.perf_counter() - t2) * 1e3
     assert seen[0] <= first + 1.0 and seen[1] <= second + 1.0 and seen[2] <= third + 1.0
+
+
+def test_steps_scheduled_ahead_count_the_drivers_work_too(tiny_qwen, drafter):
+    """With async scheduling a step that drafts nothing stays in flight and is committed (and
+    observed) by the next call: its period still spans the driver's work between calls."""
+    llm = LLM(tiny_qwen, device="cpu", speculative_config={
+        "model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "lagged",
+        "min_predicted_gain": 9.9})  # drafting never pays: plain steps, scheduled ahead
+    eng, spec = llm.engine, llm.engine.runner.spec
+    assert eng.async_scheduling
+    seen, ahead = [], []
+    observe, predictable = spec.observe_step_time, eng._predictable
+    spec.observe_step_time = lambda ms, tokens, reqs: (seen.append(ms), observe(ms, tokens, reqs))
+    eng._predictable = lambda sched: ahead.append(predictable(sched)) or ahead[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i in range(2):
+        eng.add_request(f"r{i}", {"prompt_token_ids": [5 + i, 9, 13, 2]}, params)
+    calls = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        calls += 1
+        time.sleep(GAP_S)
+    assert sum(ahead) >= 4  # steps were left in flight
+    assert len(seen) >= calls - 2 >= 6
+    assert all(ms >= GAP_S * 1e3 for ms in seen[1:])
