@@ -92,10 +92,11 @@ def predicted_ms(spec, rec: dict) -> float | None:
         return None
     n = rec.get("forward_tokens") or rec["tokens"]
     if rec.get("verified", 0) == 0 and not rec["drafting"]:
-        fixed = spec.fixed_costs.plain_ms
+        fixed = spec.fixed_costs.get("plain", rec["rows"])
         return (cost.fixed_overhead_ms if fixed is None else fixed) + cost.verify_lookup(n)
     draft = cost.draft_lookup(rec["rows"]) if rec["drafting"] else 0.0
-    return cost.fixed_overhead_ms + draft + cost.verify_lookup(n)
+    fixed = spec.fixed_costs.get("spec", rec["rows"])
+    return (cost.fixed_overhead_ms if fixed is None else fixed) + draft + cost.verify_lookup(n)
 
 
 def summarize(records: list[dict], spec) -> list[str]:
@@ -124,7 +125,8 @@ def table_view(spec, conc: int) -> list[str]:
     if cost is None:
         return ["  (no cost table)"]
     surv = spec._survival
-    plain_fixed = spec.fixed_costs.plain_ms
+    plain_fixed = spec.fixed_costs.get("plain", conc)
+    spec.fixed_costs.apply(cost, conc)  # the speculative term at this batch size
     fixed = cost.fixed_overhead_ms
     plain = (fixed if plain_fixed is None else plain_fixed) + cost.verify_lookup(conc)
     lines = [f"  fixed (spec) {fixed:.2f} ms, fixed (plain) "

@@ -111,9 +111,9 @@ class LLMEngine:
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
         # async scheduling (config.schedules_ahead): the step launched last and not yet
-        # committed, as (schedule, wait)
+        # committed, as (schedule, wait, the speculative decoder's tag of it)
         self.async_scheduling = self.runner.feeds_pending
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self._in_flight: tuple | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
 
     # -- requests ---------------------------------------------------------------------------
@@ -216,7 +216,9 @@ class LLMEngine:
         sched = self._schedule()
         launched, ahead = None, False
         if not sched.is_empty:
-            launched = (sched, self._launch(sched))
+            wait = self._launch(sched)
+            spec = self.runner.spec  # what the online cost model must know of this step
+            launched = (sched, wait, None if spec is None else spec.step_tag())
             ahead = self.async_scheduling and self._predictable(sched)
             if ahead:
                 self._advance(sched)
@@ -242,7 +244,7 @@ class LLMEngine:
                 and self.runner.num_graph_captures() == captures):  # a capture is no step's cost
             # the whole step, host work included, is the cost (the last committed)
             self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
-                                               len(committed[0].rows))  # fmt: skip
+                                               len(committed[0].rows), committed[2])  # fmt: skip
         return outputs
 
     def _predictable(self, sched: SchedulerOutput) -> bool:
@@ -254,12 +256,12 @@ class LLMEngine:
                                 and all(r.num_draft_slots == 0 for r in sched.rows))  # fmt: skip
 
     def _commit_launched(self, launched: tuple, advanced: bool) -> tuple:
-        """Wait for a launched step and commit it; returns (schedule, result)."""
-        sched, wait = launched
+        """Wait for a launched step and commit it; returns (schedule, result, tag)."""
+        sched, wait, tag = launched
         result = wait()
         self.stats["steps"] += 1
         self._unbuilt += self._commit(sched, result, advanced)
-        return sched, result
+        return sched, result, tag
 
     @staticmethod
     def _advance(sched: SchedulerOutput) -> None:

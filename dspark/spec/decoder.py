@@ -25,7 +25,7 @@ from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
-from dspark.spec.tracing import Timer, trace_record
+from dspark.spec.tracing import Timer, decoder_metrics, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ class SpecDecoder:
         self.use_head, self.estimator, self.sts = confidence_source(sc, dcfg, self.k, device)
         self._policy = sc.adaptive_policy
         self.cost = None
-        self._online_cost, self._table_fixed_ms = False, 0.0
+        self._online_cost = False
+        self._step_reqs, self._step_other = 0, 0  # of the step planned last
         self.cost_status = "not needed by this policy"
         self.planner: Planner | None = None
         if not self.needs_cost_model:
@@ -137,16 +138,22 @@ class SpecDecoder:
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
         host confidences (no sync)."""
-        # the drafter this step runs: argmax only when every row is greedy (about half the
-        # sampled drafter's cost at 8B scale)
-        if (self.cost is not None and self.cost.use_greedy_drafts(host.get("all_greedy"))
-                and self.planner is not None):
-            self.planner.invalidate_tables()
+        rows = host.per_row()
+        self._step_reqs = n = rows.shape[1]
+        self._step_other = int(rows[2].sum()) - n  # prefill tokens (beyond one per row)
+        if self.cost is not None:
+            # price the drafter this step runs (argmax only when every row is greedy: about
+            # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size
+            changed = self.cost.use_greedy_drafts(host.get("all_greedy"))
+            if self._online_cost:
+                changed |= self.fixed_costs.apply(self.cost, n)
+            if changed and self.planner is not None:
+                self.planner.invalidate_tables()  # device tables embed both
         if self._policy != "lagged":
             return None
         t0 = time.perf_counter()
         try:
-            return self._plan(host.per_row())
+            return self._plan(rows)
         finally:
             self.plan_ms += (time.perf_counter() - t0) * 1e3
 
@@ -166,7 +173,8 @@ class SpecDecoder:
             # (and with trimmed graphs, so can a trimmed plan: no penalty)
             graph_ok = self.graph_steps and other == 0
             eager_trim = graph_ok and not self.graph_trims
-            penalty = self.fixed_costs.trim_penalty_ms(self.cost) if eager_trim else 0.0
+            penalty = (self.fixed_costs.trim_penalty_ms(self.cost.fixed_overhead_ms, n)
+                       if eager_trim else 0.0)  # fmt: skip
             # confidences are read only when needed (at low load, a bound settles the plan)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
                                            penalty)  # fmt: skip
@@ -200,7 +208,8 @@ class SpecDecoder:
                 or self.tensor_parallel_size > 1):  # TP: ranks must agree; not broadcast (yet)
             return True
         return drafting_pays(self.cost, self._survival[: self.k], num_reqs, other, num_sampling,
-                             self.fixed_costs.plain_ms, self.sc.min_predicted_gain)  # fmt: skip
+                             self.fixed_costs.get("plain", num_reqs),
+                             self.sc.min_predicted_gain)  # fmt: skip
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never
@@ -351,24 +360,26 @@ class SpecDecoder:
     def _copy_conf_to_host(self) -> None:
         self.host_confs.push(self.conf)
 
-    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int) -> None:
-        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
-        if not self._online_cost or num_reqs == 0:
-            return
-        cost = self.cost
-        variable = cost.verify_lookup(num_tokens)  # dense tables: this runs every step
-        if self.draft_enabled:  # the drafter ran in this step
-            variable += cost.draft_lookup(num_reqs)
+    def step_tag(self) -> tuple[str, float] | None:
+        """What the online cost model needs of the step just launched, read at launch (with
+        async scheduling it is observed after the next one is planned): its kind and the
+        drafter's price. None: not observed (no online correction, or prefill chunks)."""
+        if not self._online_cost or self._step_other > 0:
+            return None
         if not self.draft_enabled and self._no_drafts:
             kind = "plain"
         else:
             kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
-        moved = self.fixed_costs.observe(cost, kind, step_ms - variable)
-        # device tables of the early-stop policy embed the fixed term: rebuild on real change
-        if moved and abs(cost.fixed_overhead_ms - self._table_fixed_ms) > 0.02 * variable:
-            self._table_fixed_ms = cost.fixed_overhead_ms
-            if self.planner is not None:
-                self.planner.invalidate_tables()
+        return kind, self.cost.draft_lookup(self._step_reqs) if self.draft_enabled else 0.0
+
+    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
+                          tag: tuple[str, float] | None) -> None:
+        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
+        if tag is None or num_reqs == 0:
+            return
+        kind, draft_ms = tag
+        variable = self.cost.verify_lookup(num_tokens) + draft_ms  # dense table: every step
+        self.fixed_costs.observe(kind, step_ms - variable, num_reqs)
 
     def count_allocation_ms(self, ms: float) -> None:
         """Allocation time measured elsewhere (inside a whole-step graph)."""
@@ -384,16 +395,4 @@ class SpecDecoder:
 
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:
-        d = self.planner.last_decision if self.planner is not None else None
-        return {
-            "policy": self._policy,
-            "budget": self.last_budget,
-            "predicted_gain": None if d is None else d.predicted_gain,
-            "trimmed": None if d is None else d.trimmed,
-            "cost_table_status": self.cost_status,
-            "fixed_overhead_ms": None if self.cost is None else self.cost.fixed_overhead_ms,
-            "plain_fixed_overhead_ms": self.fixed_costs.plain_ms,
-            "trim_penalty_ms": self.fixed_costs.trim_penalty_ms(self.cost),
-            "confidence_source": "head" if self.use_head else "online",
-            "drafting": self.draft_enabled,
-        }
+        return decoder_metrics(self)

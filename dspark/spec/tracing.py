@@ -1,4 +1,5 @@
-"""Measurement helpers of the speculative decoder: region timers and per-step trace records."""
+"""Measurement helpers of the speculative decoder: region timers, per-step trace records and
+its policy metrics."""
 
 from __future__ import annotations
 
@@ -44,4 +45,24 @@ def trace_record(inp, num_out: torch.Tensor, conf: torch.Tensor, conf_logits: to
         "capacities": inp.capacities.cpu().numpy()[has],
         "verified": inp.lengths.cpu().numpy()[has],
         "accepted": (num_out - 1).clamp(min=0).cpu().numpy()[has],
+    }
+
+
+def decoder_metrics(sd) -> dict:
+    """A SpecDecoder's policy state for /metrics and reports: the last plan, the cost table's
+    status, the fixed terms learned online at the last planned batch size."""
+    d = sd.planner.last_decision if sd.planner is not None else None
+    cost, reqs = sd.cost, sd._step_reqs
+    return {
+        "policy": sd._policy,
+        "budget": sd.last_budget,
+        "predicted_gain": None if d is None else d.predicted_gain,
+        "trimmed": None if d is None else d.trimmed,
+        "cost_table_status": sd.cost_status,
+        "fixed_overhead_ms": None if cost is None else cost.fixed_overhead_ms,
+        "plain_fixed_overhead_ms": sd.fixed_costs.get("plain", reqs),
+        "trim_penalty_ms": None if cost is None else sd.fixed_costs.trim_penalty_ms(
+            cost.fixed_overhead_ms, reqs),
+        "confidence_source": "head" if sd.use_head else "online",
+        "drafting": sd.draft_enabled,
     }

@@ -154,41 +154,51 @@ def test_scheduler_overhead_is_measured(tiny_qwen, drafter, tmp_path):
 def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     """A start-up profile times only the forward and the drafter; the engine's real steps also
     pay host work. Each step's residual (measured time beyond the table's forward + drafter
-    time) feeds an exponential moving average: speculative steps the table's fixed term,
-    steps without speculation (drafting skipped) the plain one. Replayed here exactly."""
+    time) feeds an exponential moving average per batch-size bucket: speculative steps the
+    table's fixed term, steps without speculation (drafting skipped) the plain one; steps
+    with prefill chunks feed nothing. Replayed here exactly."""
+    from dspark.spec.online_cost import size_bucket
+
     llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
               speculative_config={"model": drafter, "num_speculative_tokens": 5,
                                   "adaptive_policy": "lagged"})  # fmt: skip
     spec = llm.engine.runner.spec
     assert spec.cost.provenance["source"] == "profiled" and spec.cost.fixed_overhead_ms == 0.0
-    want = {"spec": None, "plain": None}  # the first residual replaces the table's term
-    kinds = []
+    want = {"spec": {}, "plain": {}, "eager": {}}  # the first residual replaces the table's
+    kinds, counts, untagged = [], {}, [0]
     observe = spec.observe_step_time
 
-    def spy(step_ms, num_tokens, num_reqs):
-        kinds.append(None)
-        if len(kinds) > 3:  # warm-up steps are skipped
-            variable = float(spec.cost.verify_cost_ms(num_tokens))
-            if spec.draft_enabled:
-                variable += float(spec.cost.draft_cost_ms(num_reqs))
-            residual = step_ms - variable  # negative when the table overstates
-            kind = "plain" if not spec.draft_enabled and spec._no_drafts else "spec"
-            prev = want[kind]
-            want[kind] = residual if prev is None else 0.9 * prev + 0.1 * residual
-            kinds[-1] = kind
-        observe(step_ms, num_tokens, num_reqs)
+    def spy(step_ms, num_tokens, num_reqs, tag):
+        if tag is None:  # prefill chunks (or the first steps of a request)
+            untagged[0] += 1
+        else:
+            kinds.append(tag[0])
+        if tag is not None and len(kinds) > 3:  # warm-up steps are skipped
+            kind, draft_ms = tag
+            assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
+            residual = step_ms - float(spec.cost.verify_cost_ms(num_tokens)) - draft_ms
+            b = size_bucket(num_reqs)
+            prev = want[kind].get(b)
+            want[kind][b] = residual if prev is None else 0.9 * prev + 0.1 * residual
+            counts[kind, b] = counts.get((kind, b), 0) + 1
+        observe(step_ms, num_tokens, num_reqs, tag)
 
     spec.observe_step_time = spy
     # sampled drafts (the [R, K, V] distributions): this random drafter does not pay for them
     # on this CPU, so drafting stops (its greedy drafts cost ~5x less and do pay)
     params = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    assert kinds.count("plain") >= 5
-    # plain steps never move the speculative term (and vice versa)
-    spec_want = 0.0 if want["spec"] is None else want["spec"]  # none seen: the table's term
-    assert spec.cost.fixed_overhead_ms == pytest.approx(spec_want, rel=1e-9, abs=1e-12)
-    assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(want["plain"], rel=1e-9)
-    assert want["plain"] > 0  # host work of a CPU step is real
+    assert kinds.count("plain") >= 5 and untagged[0] >= 1
+    # plain steps never move the speculative terms (and vice versa); buckets apart
+    for kind, by_bucket in want.items():
+        got = spec.fixed_costs._ema[kind]
+        assert got.keys() == by_bucket.keys(), kind
+        assert all(got[b] == pytest.approx(v, rel=1e-9, abs=1e-12) for b, v in by_bucket.items())
+    # the planner's fixed term is the speculative one at the batch size it planned last
+    last = spec.fixed_costs.get("spec", spec._step_reqs)
+    assert spec.cost.fixed_overhead_ms == (0.0 if last is None else last)
+    busiest = max((b for kind, b in counts if kind == "plain"), key=lambda b: counts["plain", b])
+    assert want["plain"][busiest] > 0  # host work of a CPU step is real
 
 
 def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter):
@@ -200,27 +210,40 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
                                   "adaptive_policy": "lagged"})
     spec = llm.engine.runner.spec
     cost = spec.cost
+    from dspark.spec.online_cost import size_bucket
+
     spec._survival = np.full(5, 0.5)
     tokens, reqs = 8, 8
 
-    def feed(drafting: bool, fixed_ms: float, n: int = 120) -> None:
+    def feed(drafting: bool, fixed_ms: float, n: int = 120, num_reqs: int = reqs) -> None:
         spec.draft_enabled, spec._no_drafts = drafting, not drafting
-        step = float(cost.verify_cost_ms(tokens)) + fixed_ms
-        if drafting:
-            step += float(cost.draft_cost_ms(reqs))
+        spec._step_reqs, spec._step_other = num_reqs, 0
+        tag = spec.step_tag()
+        assert tag == (("spec", cost.draft_lookup(num_reqs)) if drafting else ("plain", 0.0))
+        step = float(cost.verify_cost_ms(tokens)) + fixed_ms + tag[1]
         for _ in range(n):
-            spec.observe_step_time(step, tokens, reqs)
+            spec.observe_step_time(step, tokens, num_reqs, tag)
 
     feed(True, 3.0)
     feed(False, 1.0)
+    feed(True, 7.0, num_reqs=64)  # another batch size: its own term
+    spec.fixed_costs.apply(cost, reqs)
     assert cost.fixed_overhead_ms == pytest.approx(3.0, rel=1e-3)
+    spec.fixed_costs.apply(cost, 100)
+    assert cost.fixed_overhead_ms == pytest.approx(7.0, rel=1e-3)
+    assert spec.fixed_costs.get("spec", 4) == pytest.approx(3.0, rel=1e-3)  # nearest measured
+    assert spec.fixed_costs.get("plain", 100) == pytest.approx(1.0, rel=1e-3)  # nearest
+    spec.fixed_costs.apply(cost, reqs)
+    spec._step_reqs = reqs
     assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(1.0, rel=1e-3)
+    spec._step_other = 5  # a step with a prefill chunk is not observed
+    assert spec.step_tag() is None
     # the decision uses the plain term for plain decoding: with plain steps made expensive,
     # drafting pays; with them cheap, it does not
     verify_base = cost.verify_lookup(reqs)
-    spec.fixed_costs.plain_ms = 1e3
+    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 1e3
     assert spec._drafting_pays(reqs, 0, reqs)
-    spec.fixed_costs.plain_ms = 0.0
+    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 0.0
     cost.fixed_overhead_ms = 1e3 + verify_base
     assert not spec._drafting_pays(reqs, 0, reqs)
 
@@ -313,20 +336,23 @@ def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
 
     def feed(graph: bool, fixed_ms: float, n: int = 150) -> None:
         spec.draft_enabled, spec._no_drafts, spec.ran_as_graph = True, False, graph
+        spec._step_reqs, spec._step_other = reqs, 0
         step = float(cost.verify_cost_ms(tokens)) + float(cost.draft_cost_ms(reqs)) + fixed_ms
         for _ in range(n):
-            spec.observe_step_time(step, tokens, reqs)
+            spec.observe_step_time(step, tokens, reqs, spec.step_tag())
+        spec.fixed_costs.apply(cost, reqs)  # (the next plan does this)
 
     spec.graph_steps = False  # no graphs: every speculative step feeds the table's term
     feed(False, 2.0)
     assert cost.fixed_overhead_ms == pytest.approx(2.0, rel=1e-3)
-    assert spec.fixed_costs.eager_ms is None and spec.metrics()["trim_penalty_ms"] == 0.0
+    assert spec.fixed_costs.get("eager", reqs) is None
+    assert spec.metrics()["trim_penalty_ms"] == 0.0
     spec.fixed_costs = FixedCosts()
     spec.graph_steps = True
     feed(True, 1.0)
     feed(False, 4.0)
     assert cost.fixed_overhead_ms == pytest.approx(1.0, rel=1e-3)
-    assert spec.fixed_costs.eager_ms == pytest.approx(4.0, rel=1e-3)
+    assert spec.fixed_costs.get("eager", reqs) == pytest.approx(4.0, rel=1e-3)
     assert spec.metrics()["trim_penalty_ms"] == pytest.approx(3.0, rel=1e-3)
 
 

@@ -27,7 +27,7 @@ def test_observed_step_cost_spans_the_drivers_work_between_steps(tiny_qwen, draf
     eng.stream_outputs = True
     seen = []
     observe = spec.observe_step_time
-    spec.observe_step_time = lambda ms, tokens, reqs: (seen.append(ms), observe(ms, tokens, reqs))
+    spec.observe_step_time = lambda ms, n, reqs, tag: (seen.append(ms), observe(ms, n, reqs, tag))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     time.sleep(0.2)  # idle before the requests arrive: no step's cost
     for i in range(2):
@@ -71,7 +71,7 @@ def test_steps_scheduled_ahead_count_the_drivers_work_too(tiny_qwen, drafter):
     assert eng.async_scheduling
     seen, ahead = [], []
     observe, predictable = spec.observe_step_time, eng._predictable
-    spec.observe_step_time = lambda ms, tokens, reqs: (seen.append(ms), observe(ms, tokens, reqs))
+    spec.observe_step_time = lambda ms, n, reqs, tag: (seen.append(ms), observe(ms, n, reqs, tag))
     eng._predictable = lambda sched: ahead.append(predictable(sched)) or ahead[-1]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for i in range(2):
