@@ -318,3 +318,45 @@ def test_padded_step_runs_without_autograd(tiny_qwen, drafter):
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
                  SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert grad_modes and not any(grad_modes)
+
+
+@pytest.mark.parametrize("step_graphs", [False, True])
+def test_step_reports_the_tokens_its_forward_ran_on(tiny_qwen, drafter, tmp_path, step_graphs):
+    """The online cost model prices a step by its forward's token count: a trimmed step must
+    report the tokens left after trimming (non-draft tokens + verified drafts), not the packed
+    stream. The padded path reported the packed count: on the H200 every trimmed step looked
+    like a verify-all one and the learned fixed term went far negative."""
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "cost_table_path": path, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=8,
+              num_kv_blocks=200)  # fmt: skip
+    runner = llm.engine.runner
+    if step_graphs:
+        runner.step_graphs = StepGraphs(runner, use_graphs=False)
+        runner.step_graphs.token_buckets = default_buckets(64)
+    seen, launch = [], runner.launch
+
+    def spy(sched, tables):
+        wait = launch(sched, tables)
+
+        def spy_wait():
+            result = wait()
+            base = sum(r.num_non_draft_tokens for r in sched.rows)
+            seen.append((result.num_tokens, base + sum(result.verified), sched.num_tokens))
+            return result
+
+        return spy_wait
+
+    runner.launch = spy
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert all(got == want for got, want, _ in seen), seen
+    assert any(want < packed for _, want, packed in seen)  # some steps were trimmed
+    if step_graphs:
+        assert any(key[0] == "trim" for key in runner.step_graphs.steps)
