@@ -25,7 +25,8 @@ def drafter(tiny_qwen, tmp_path_factory):
     return make_tiny_drafter(str(tmp_path_factory.mktemp("sg_drafter")), tiny_qwen, seed=3)
 
 
-def _generate(target, spec, temperature, step_graphs: bool, capture_all: bool = False):
+def _llm(target, spec, step_graphs: bool, capture_all: bool = False) -> LLM:
+    """A CPU engine; with `step_graphs`, decode steps take the padded whole-step path."""
     llm = LLM(target, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=8,
               num_kv_blocks=200)  # fmt: skip
     runner = llm.engine.runner
@@ -35,6 +36,12 @@ def _generate(target, spec, temperature, step_graphs: bool, capture_all: bool = 
         runner.step_graphs.token_buckets = default_buckets(64)
         if capture_all:  # the dummy steps run before serving must leave no trace
             runner.step_graphs.capture_all()
+    return llm
+
+
+def _generate(target, spec, temperature, step_graphs: bool, capture_all: bool = False):
+    llm = _llm(target, spec, step_graphs, capture_all)
+    runner = llm.engine.runner
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=11 + i)
               for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -334,12 +341,8 @@ def test_step_reports_the_tokens_its_forward_ran_on(tiny_qwen, drafter, tmp_path
     spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
             "cost_table_path": path, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
-    llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=8,
-              num_kv_blocks=200)  # fmt: skip
+    llm = _llm(tiny_qwen, spec, step_graphs)
     runner = llm.engine.runner
-    if step_graphs:
-        runner.step_graphs = StepGraphs(runner, use_graphs=False)
-        runner.step_graphs.token_buckets = default_buckets(64)
     seen, launch = [], runner.launch
 
     def spy(sched, tables):
