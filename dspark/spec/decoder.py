@@ -23,7 +23,7 @@ from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
-from dspark.spec.planner import Planner, drafting_pays
+from dspark.spec.planner import Planner, decode_rate, drafting_pays
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import Timer, decoder_metrics, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
@@ -175,14 +175,17 @@ class SpecDecoder:
             eager_trim = graph_ok and not self.graph_trims
             penalty = (self.fixed_costs.trim_penalty_ms(self.cost.fixed_overhead_ms, n)
                        if eager_trim else 0.0)  # fmt: skip
+            # with prefill chunks, a draft's marginal time is worth what decoding would earn
+            rate = None if other == 0 else decode_rate(
+                self.cost, self._survival, n_sampling, self.fixed_costs.get("plain", n_sampling))
             # confidences are read only when needed (at low load, a bound settles the plan)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
-                                           penalty)  # fmt: skip
+                                           penalty, rate)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only
                 self._update_survival(self._stale(slots)[caps > 0])
         self.last_budget = budget
-        if decide:
-            self._pays = self._drafting_pays(n, other, n_sampling)
+        if decide:  # on decode steps' economics (prefill chunks come and go)
+            self._pays = self._drafting_pays(n_sampling)
             self._since_decision, self._decided_reqs = 0, n
         # while skipping, draft once in a while anyway so the survival estimate stays fresh
         self._skipped = 0 if self._pays else self._skipped + 1
@@ -199,16 +202,16 @@ class SpecDecoder:
         prev = self._survival
         self._survival = survival if prev is None else 0.2 * survival + 0.8 * prev
 
-    def _drafting_pays(self, num_reqs: int, other: int, num_sampling: int) -> bool:
+    def _drafting_pays(self, num_sampling: int) -> bool:
         """Draft after this step only if some verify length beats plain decoding once the
         drafter's own (untrimmable) cost is paid. Decided from stale, aggregate survival (never
         from the drafts it gates), so skipping drafting is lossless; when load falls the same
-        comparison turns drafting back on."""
+        comparison turns drafting back on. Judged for a decode step of the sampling requests."""
         if (not self.sc.draft_skipping or self._survival is None or num_sampling == 0
                 or self.tensor_parallel_size > 1):  # TP: ranks must agree; not broadcast (yet)
             return True
-        return drafting_pays(self.cost, self._survival[: self.k], num_reqs, other, num_sampling,
-                             self.fixed_costs.get("plain", num_reqs),
+        return drafting_pays(self.cost, self._survival[: self.k], num_sampling, 0, num_sampling,
+                             self.fixed_costs.get("plain", num_sampling),
                              self.sc.min_predicted_gain)  # fmt: skip
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:

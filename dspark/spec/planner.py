@@ -4,7 +4,13 @@ Notation (R requests, K draft slots): `conf[r, j]` is the conditional confidence
 survives given drafts < j were accepted; `surv[r, j] = prod_{i<=j} conf[r, i]` its prefix
 survival; `capacities[r] <= K` the drafts request r actually has. A plan `l_r in 0..cap_r` sends
 `sum(1 + l_r) + num_other_tokens` tokens and expects `tau = num_sampling_reqs + sum survivals of
-the verified slots` accepted tokens; the objective is `theta = tau / step_time`.
+the verified slots` accepted tokens; the objective is `theta = tau / step_time`. A step that
+also carries prefill chunks (`num_other_tokens > 0`) is not the unit of work: its prefill time
+is spent anyway, so a draft is worth its marginal time only at the rate decoding would earn in
+that time (`opportunity_rate`, tokens/ms of the best decode-only step at this batch): the
+objective becomes `tau - rate * step_time`. (Its own tokens/ms would make any draft look good:
+on the H200 at 128 requests, verifying every draft in 8k-token prefill steps earned 3.8 tokens
+per extra ms against 14 for plain decoding.)
 
 Losslessness needs *non-anticipation*: whether draft j is verified may only depend on
 information available before draft j was sampled. The allowed policies:
@@ -89,6 +95,7 @@ def plan_budget_lagged(
     allowed_budgets: np.ndarray | None = None,
     prior_conf: float = 1.0,
     trim_penalty_ms: float = 0.0,
+    opportunity_rate: float | None = None,
 ) -> BudgetDecision:
     """Total draft budget B from stale confidences (host, numpy, no device sync).
 
@@ -102,7 +109,10 @@ def plan_budget_lagged(
     captured CUDA graphs) of (num_sampling_reqs + cumsum(sorted survivals)[n]) /
     step_time(R + num_other_tokens + n, R), plus `trim_penalty_ms` for every n below verify-all
     (a trimmed step cannot run as one whole-step graph). Guard: unless the best trimmed budget
-    beats verify-all by more than `min_predicted_gain` (relative), verify all.
+    beats verify-all by more than `min_predicted_gain` (relative), verify all. With
+    `opportunity_rate` (steps with prefill chunks, see the module docstring) the objective is
+    `tau - opportunity_rate * step_time` and the guard compares the difference with verify-all's
+    tokens.
     """
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
@@ -121,13 +131,21 @@ def plan_budget_lagged(
     if trim_penalty_ms > 0:  # a trimmed step runs a slower path than verify-all
         times = times + np.where(cand < total, trim_penalty_ms, 0.0)
     theta = yield_n[cand] / times
-    i = int(np.argmax(theta))
+    if opportunity_rate is not None:  # net value: the prefill's time is spent anyway
+        value = yield_n[cand] - opportunity_rate * times
+        i = int(np.argmax(value))
+        gain = float(value[i] - value[-1]) / max(float(yield_n[-1]), 1e-9)
+    else:
+        i = int(np.argmax(theta))
     best, theta_best, theta_full = int(cand[i]), float(theta[i]), float(theta[-1])
-    if theta_full > 0:
+    if opportunity_rate is not None:
+        trimmed = best < total and gain > min_predicted_gain
+    elif theta_full > 0:
         gain = theta_best / theta_full - 1.0
+        trimmed = best < total and theta_best > theta_full * (1.0 + min_predicted_gain)
     else:
         gain = 0.0 if theta_best <= 0 else float("inf")
-    trimmed = best < total and theta_best > theta_full * (1.0 + min_predicted_gain)
+        trimmed = best < total and theta_best > theta_full * (1.0 + min_predicted_gain)
     if not trimmed:
         best = total
     return BudgetDecision(budget=best, max_budget=total, theta_best=theta_best,
@@ -149,6 +167,19 @@ def drafting_pays(cost: CostModel, survival: np.ndarray, num_reqs: int, other: i
     gains = num_sampling * (1.0 + np.cumsum(survival))
     times = cost.step_time_lookup(base + num_sampling * lengths, num_reqs)
     return float((gains / times).max()) > plain * (1.0 + min_predicted_gain)
+
+
+def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
+                plain_fixed_ms: float | None) -> float:
+    """Tokens per ms of the best decode-only step for `num_reqs` sampling requests: plain
+    decoding, or each request verifying l drafts of the given mean prefix survival."""
+    fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
+    rate = num_reqs / max(fixed + cost.verify_lookup(num_reqs), 1e-6)
+    if survival is None or survival.size == 0:
+        return rate
+    lengths = np.arange(1, survival.size + 1)
+    times = cost.step_time_lookup(num_reqs * (1 + lengths), num_reqs)
+    return max(rate, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max()))
 
 
 # ---------------------------------------------------------------------- device side
@@ -275,7 +306,8 @@ class Planner:
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
-                 trim_penalty_ms: float = 0.0) -> int | None:
+                 trim_penalty_ms: float = 0.0,
+                 opportunity_rate: float | None = None) -> int | None:
         """The lagged budget. `stale_conf`: [R, K] array (see plan_budget_lagged), None, or a
         callable returning one, called only when the budget search needs it."""
         if self.policy != "lagged":
@@ -284,7 +316,8 @@ class Planner:
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
         total = int(caps.sum())
-        if self._trimming_cannot_pay(caps.size, num_other_tokens, total, trim_penalty_ms):
+        if opportunity_rate is None and self._trimming_cannot_pay(caps.size, num_other_tokens,
+                                                                  total, trim_penalty_ms):
             self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
                                                 False)  # fmt: skip
             return total
@@ -295,7 +328,7 @@ class Planner:
             allowed = self.cost.budget_candidates(caps.size + num_other_tokens, total)
         d = plan_budget_lagged(stale_conf, caps, num_other_tokens, num_sampling_reqs,
                                self.cost, self.min_predicted_gain, allowed, self.prior_conf,
-                               trim_penalty_ms)  # fmt: skip
+                               trim_penalty_ms, opportunity_rate)  # fmt: skip
         self.last_decision = d
         return d.budget
 

@@ -352,3 +352,40 @@ def test_stale_survivals_fast_path_matches_the_general_one():
         c2 = np.vstack([c[: r - 1], np.full((1, k), min(max(prior, 0.0), 1.0))])
         want2 = np.sort(np.cumprod(c2, axis=1)[np.arange(k)[None, :] < caps[:, None]])[::-1]
         np.testing.assert_array_equal(got, want2)
+
+
+def test_steps_with_prefill_value_drafts_at_the_decoding_rate():
+    """With a prefill chunk in the step, its time is spent anyway: a draft is verified only if
+    its survival per marginal ms beats the rate decoding would earn. The step's own ratio
+    verifies everything (its prefill makes the step's tokens/ms tiny)."""
+    from dspark.spec.planner import decode_rate
+
+    # 10 ms + 0.02 ms per token; 4 requests x 4 drafts; a 4000-token prefill chunk
+    cost = CostModel.from_measurements([1, 10_000], [10.02, 210.0])
+    conf = np.array([[0.9, 0.5, 0.3, 0.2]] * 4)
+    caps, other = np.full(4, 4), 4000
+    ratio = plan_budget_lagged(conf, caps, other, 4, cost)
+    assert not ratio.trimmed and ratio.budget == 16  # the old objective: verify all
+    # at 40 tokens/ms, a draft is worth 0.02 ms x 40 = 0.8 tokens: only the 0.9 survivals pay
+    net = plan_budget_lagged(conf, caps, other, 4, cost, opportunity_rate=40.0)
+    assert net.trimmed and net.budget == 4
+    # survivals 0.9, 0.45, 0.135, 0.027: at 10 tokens/ms (0.2 tokens per draft) two pay, at 5
+    # (0.1 per draft) three
+    assert plan_budget_lagged(conf, caps, other, 4, cost, opportunity_rate=10.0).budget == 8
+    assert plan_budget_lagged(conf, caps, other, 4, cost, 0.0, opportunity_rate=5.0).budget == 12
+    # brute force over every budget: the chosen one maximises tokens - rate * time
+    surv = np.sort(np.cumprod(conf, axis=1).reshape(-1))[::-1]
+    value = [4 + surv[:b].sum() - 40.0 * float(cost.step_time_lookup(np.array([4 + other + b]),
+                                                                     4)[0]) for b in range(17)]
+    assert int(np.argmax(value)) == net.budget
+    p = Planner("lagged", cost, min_predicted_gain=0.0)
+    assert p.plan_cpu(conf, caps, other, 4, opportunity_rate=40.0) == 4
+    # decoding's own rate: plain 4 / (10 + 0.08) ms, or verifying l drafts per request
+    survival = np.cumprod(conf[0])
+    def step_ms(tokens):
+        return float(cost.step_time_lookup(np.array([tokens]), 4)[0])
+
+    plain = 4 / step_ms(4)
+    spec = [4 * (1 + survival[:n].sum()) / step_ms(4 * (1 + n)) for n in (1, 2, 3, 4)]
+    assert decode_rate(cost, survival, 4, None) == pytest.approx(max([plain] + spec))
+    assert decode_rate(cost, None, 4, 5.0) == pytest.approx(4 / (5.0 + cost.verify_lookup(4)))
