@@ -184,6 +184,14 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
         observe(step_ms, num_tokens, num_reqs, tag)
 
     spec.observe_step_time = spy
+    plans, plan = [], spec.plan
+
+    def plan_spy(host):
+        budget = plan(host)
+        plans.append((spec.cost.fixed_overhead_ms, spec.fixed_costs.get("spec", spec._step_reqs)))
+        return budget
+
+    spec.plan = plan_spy
     # sampled drafts (the [R, K, V] distributions): this random drafter does not pay for them
     # on this CPU, so drafting stops (its greedy drafts cost ~5x less and do pay)
     params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=3)
@@ -194,9 +202,8 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
         got = spec.fixed_costs._ema[kind]
         assert got.keys() == by_bucket.keys(), kind
         assert all(got[b] == pytest.approx(v, rel=1e-9, abs=1e-12) for b, v in by_bucket.items())
-    # the planner's fixed term is the speculative one at the batch size it planned last
-    last = spec.fixed_costs.get("spec", spec._step_reqs)
-    assert spec.cost.fixed_overhead_ms == (0.0 if last is None else last)
+    # every plan prices its step with the speculative term of its batch size
+    assert plans and all(used == (0.0 if want is None else want) for used, want in plans)
     busiest = max((b for kind, b in counts if kind == "plain"), key=lambda b: counts["plain", b])
     assert want["plain"][busiest] > 0  # host work of a CPU step is real
 
