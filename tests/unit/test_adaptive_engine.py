@@ -164,6 +164,13 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
                                   "adaptive_policy": "lagged"})  # fmt: skip
     spec = llm.engine.runner.spec
     assert spec.cost.provenance["source"] == "profiled" and spec.cost.fixed_overhead_ms == 0.0
+    # A start-up profile on this shared 2-core CPU can come out slower than the steps that
+    # follow; replace it with one of the same provenance whose forward is nearly free and
+    # whose drafter (50 ms) never pays: every plain step's residual is then its host work
+    table = CostModel.from_measurements([1, 64], [0.01, 0.05], [1, 64], [50.0, 50.0],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="flat"):  # (trimming is not what is tested)
+        spec.set_cost_model(table, "profiled at start-up")
     want = {"spec": {}, "plain": {}, "eager": {}}  # the first residual replaces the table's
     kinds, counts, untagged = [], {}, [0]
     observe = spec.observe_step_time
@@ -192,8 +199,6 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
         return budget
 
     spec.plan = plan_spy
-    # sampled drafts (the [R, K, V] distributions): this random drafter does not pay for them
-    # on this CPU, so drafting stops (its greedy drafts cost ~5x less and do pay)
     params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=3)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert kinds.count("plain") >= 5 and untagged[0] >= 1
