@@ -104,3 +104,20 @@ def test_synthetic_trace_statistics():
     assert np.mean(lens) == pytest.approx(0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.2, abs=0.03)
     with pytest.raises(ValueError):
         TraceStep(conf=np.ones((2, 2)))
+
+
+def test_steps_with_prefill_plan_at_the_decoding_rate():
+    """The replay plans a step that carries prefill tokens as the engine does: drafts valued at
+    the rate decoding would earn (the step's own tokens/ms would verify every draft)."""
+    cost = CostModel.from_measurements([1, 10_000], [10.02, 210.0])  # 10 ms + 0.02 ms/token
+    conf = np.tile([0.9, 0.5, 0.3, 0.2], (8, 1))  # survivals 0.9, 0.45, 0.135, 0.027
+    steps = [TraceStep(conf=conf, accept_len=np.full(8, 2), request_ids=np.arange(8),
+                       num_other_tokens=other) for other in (0, 0, 4000, 4000)]  # fmt: skip
+    res = simulate(steps, "lagged", cost, lag=1, snap_to_graphs=False, min_predicted_gain=0.0)
+    # decode steps run at ~1.87 tokens/ms, so a draft's 0.02 ms is worth 0.037 tokens: the
+    # 0.027 slots go, on the step's ratio (decode steps) as on the decoding rate (prefill);
+    # step 0 has no stale confidences yet (prior 1.0: verify all)
+    assert list(res.step_verified) == [32, 24, 24, 24]
+    # on the step's own ratio (the objective before) a 4000-token step verified everything
+    p = Planner("lagged", cost, min_predicted_gain=0.0)
+    assert p.plan_cpu(conf, np.full(8, 4), 4000, 8) == 32
