@@ -55,11 +55,45 @@ def _filter_top_k_top_p(
     return torch.empty_like(scaled).scatter_(1, sorted_idx, sorted_logits)
 
 
+_BLOCK = 256  # vocabulary block of the two-level inverse CDF
+
+
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform per row picks a token. probs [N, V], u [N] -> [N]."""
-    cdf = probs.double().cumsum(dim=-1)
-    target = (u.double() * cdf[:, -1]).unsqueeze(1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Never return a zero-probability token at the top edge of the CDF (rounding).
-    idx = idx.clamp(max=probs.shape[-1] - 1)
-    return idx
+    """Inverse-CDF sampling: one uniform per row picks a token. probs [N, V], u [N] -> [N].
+
+    Prefix sums in float64, in two levels so that no [N, V] float64 tensor is written (a full
+    cumsum over a 152k vocabulary was 0.3 ms per call for 128 rows on the H200, 2.1 of the
+    sampled drafter's 11.9 ms): block sums, the block holding the target, then the prefix
+    within that block only. The token returned is the first whose prefix sum exceeds
+    u * total, as with a full cumsum (up to float64 rounding in the summation order), and
+    never one of zero probability."""
+    n, vocab = probs.shape
+    if vocab <= 4 * _BLOCK:
+        cdf = probs.double().cumsum(dim=-1)
+        target = (u.double() * cdf[:, -1]).unsqueeze(1)
+        idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return torch.minimum(idx, _last_positive(probs))  # top edge (rounding)
+    full = vocab // _BLOCK * _BLOCK
+    sums = probs[:, :full].reshape(n, -1, _BLOCK).sum(dim=-1, dtype=torch.float64)
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64)], 1)
+    block_cdf = sums.cumsum(dim=-1)  # [N, nb]
+    target = u.double() * block_cdf[:, -1]
+    b = torch.searchsorted(block_cdf, target.unsqueeze(1), right=True).squeeze(1)
+    b = torch.minimum(b, _last_positive(sums))  # target at the top edge: the last block with mass
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0).unsqueeze(1)).squeeze(1),
+                         torch.zeros_like(target))  # fmt: skip
+    cols = b.unsqueeze(1) * _BLOCK + torch.arange(_BLOCK, device=probs.device)  # [N, B]
+    block = probs.gather(1, cols.clamp(max=vocab - 1)).double()
+    block = torch.where(cols < vocab, block, torch.zeros_like(block))
+    local = before.unsqueeze(1) + block.cumsum(dim=-1)
+    j = torch.searchsorted(local, target.unsqueeze(1), right=True).squeeze(1)
+    # rounding between the two levels can leave the target past the block's own prefix sums
+    j = torch.minimum(j, _last_positive(block))
+    return b * _BLOCK + j
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """Index of the last positive entry of each row (0 for a row without one)."""
+    width = x.shape[-1]
+    return (width - 1) - (x > 0).flip(-1).to(torch.int8).argmax(dim=-1)

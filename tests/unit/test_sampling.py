@@ -113,3 +113,37 @@ def test_stop_token_ids_and_max_tokens(small_vocab):
     )[0].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def _full_cdf_sample(probs, u):
+    """The one-level reference: a float64 cumsum over the whole vocabulary."""
+    cdf = probs.double().cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)
+    return idx.squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 1025, 4099, 151_936])
+def test_two_level_inverse_cdf_picks_the_full_cdf_token(vocab):
+    """Block sums, then the prefix inside one block: the token of a full float64 cumsum, and
+    never a zero-probability one (sparse rows, one-hot rows, mass only in the first or the
+    last block, u at 0 and just below 1)."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = []
+    for scale in (0.3, 2.0, 6.0):
+        rows.append(torch.softmax(torch.randn(16, vocab, generator=gen) * scale, dim=-1))
+    sparse = rows[1] * (torch.rand(16, vocab, generator=gen) < 0.3)
+    rows.append(sparse / sparse.sum(dim=-1, keepdim=True).clamp(min=1e-30))
+    one_hot = torch.zeros(4, vocab)
+    one_hot[torch.arange(4), torch.tensor([0, vocab - 1, vocab // 2, min(5, vocab - 1)])] = 1.0
+    edge = torch.zeros(2, vocab)
+    edge[0, :3], edge[1, -3:] = 1 / 3, 1 / 3  # mass in the first / last block only
+    probs = torch.cat(rows + [one_hot, edge])
+    probs = probs[probs.sum(dim=-1) > 0]
+    n = probs.shape[0]
+    f64 = torch.float64
+    for u in (torch.rand(n, generator=gen, dtype=f64), torch.zeros(n, dtype=f64),
+              torch.full((n,), 1.0 - 2.0**-53, dtype=f64)):  # fmt: skip
+        got = sample_from_probs(probs, u)
+        assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
+        if u[0] < 1.0 - 1e-12:  # (at the very top edge either summation order may round up)
+            assert torch.equal(got, _full_cdf_sample(probs, u))
