@@ -97,10 +97,8 @@ class CostModel:
         if greedy.size and greedy.size != np.asarray(self.draft_reqs).size:
             raise ValueError(f"draft table: {np.asarray(self.draft_reqs).size} request counts "
                              f"but {greedy.size} greedy times")
-        if greedy.size:
-            _, self.draft_greedy_ms = _monotone_table(self.draft_reqs, greedy, "greedy drafts")
-        else:
-            self.draft_greedy_ms = greedy
+        self.draft_greedy_ms = (_monotone_table(self.draft_reqs, greedy, "greedy drafts")[1]
+                                if greedy.size else greedy)  # same request-count order
         self.draft_reqs, self.draft_ms = _monotone_table(
             self.draft_reqs, self.draft_ms, "draft table")
         self.fixed_overhead_ms = float(self.fixed_overhead_ms)
