@@ -116,6 +116,16 @@ class HostStep:
         r = self.get("num_reqs")
         return self.ints[len(self.ints) - 8 * r :].reshape(8, r)
 
+    def num_draft_slots(self) -> int:
+        """Draft slots laid out in the stream (every sampling row's capacity)."""
+        return self.get("max_num_logits") - self.get("num_samples")
+
+    def forward_tokens(self, budget: int | None) -> int:
+        """Tokens the target forward runs on: the packed stream less the draft slots a
+        trimmed plan (`budget` drafts verified; None: all) leaves out."""
+        slots = self.num_draft_slots()
+        return self.get("num_tokens") - slots + (slots if budget is None else min(slots, budget))
+
     def payload(self) -> np.ndarray:  # one int64 array (floats travel as their bits)
         bits = self.floats.view(np.int32).astype(np.int64).reshape(-1)
         return np.concatenate([self.ints, bits, self.draft_fill.reshape(-1)])

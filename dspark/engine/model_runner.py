@@ -257,7 +257,9 @@ class ModelRunner:
                 pass  # logged; the step runs on the per-phase path below
             else:
                 width = self.step_graphs.width(key[0])
-                num_tokens = forwarded_tokens(host, plan)
+                # the cost model's input: the packed count would price a trimmed step as
+                # verify-all (its learned fixed term then went far negative on the H200)
+                num_tokens = host.forward_tokens(plan)
                 return lambda: self._unpack(wait_graph(), len(rows), key[1], width, rows,
                                             num_tokens)  # fmt: skip
         if self.world is None:
@@ -379,13 +381,3 @@ class ModelRunner:
         drafted = [row.num_draft_slots for row in rows]
         return StepResult(emitted, lengths.tolist(), drafted, num_tokens)
 
-
-def forwarded_tokens(host: HostStep, budget: int | None) -> int:
-    """Tokens the target forward runs on: the packed stream less the draft slots a trimmed
-    plan leaves out (the cost model's input: reporting the packed count made every trimmed
-    step look like a verify-all one, and the fixed term learned from it went far negative)."""
-    num_tokens = host.get("num_tokens")
-    slots = host.get("max_num_logits") - host.get("num_samples")  # draft slots laid out
-    if budget is not None and budget < slots:
-        num_tokens -= slots - budget
-    return num_tokens

@@ -117,14 +117,12 @@ class StepGraphs:
             return ("plain", rb, mode) if g("max_query_len") == 1 else None
         if g("max_query_len") > 1 + self.k or spec.sc.adaptive_policy not in ("fixed", "lagged"):
             return None  # threshold / early-stop choose lengths on the device: eager
-        num_drafts = g("max_num_logits") - g("num_samples")
-        if budget is None or (budget >= num_drafts
-                              and self._trim_bucket(rb, g("num_tokens")) == rb * (1 + self.k)):
+        tb = self._trim_bucket(rb, host.forward_tokens(budget))
+        if budget is None or (budget >= host.num_draft_slots() and tb == rb * (1 + self.k)):
             return "spec", rb, mode  # every row's 1 + K tokens, padding rows included
-        tokens = g("num_tokens") - num_drafts + min(num_drafts, budget)
         # trimmed, or a lagged verify-all whose stream fills a smaller bucket (fewer drafts, as
         # after a probe, or fewer rows): allocate the budget, compact to a token bucket
-        key = ("trim", rb, mode, self._trim_bucket(rb, tokens))
+        key = ("trim", rb, mode, tb)
         return None if key in self.failed else key
 
     def _trim_bucket(self, rb: int, num_tokens: int) -> int:
