@@ -23,7 +23,7 @@ from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
-from dspark.spec.planner import Planner, decode_rate, drafting_pays
+from dspark.spec.planner import Planner, decode_rate, drafting_pays, mean_survival
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import Timer, decoder_metrics, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
@@ -158,9 +158,8 @@ class SpecDecoder:
             self.plan_ms += (time.perf_counter() - t0) * 1e3
 
     def _plan(self, rows: np.ndarray) -> int:
-        samples, caps, non_draft, slots = rows[0], rows[1], rows[2], rows[4]
-        n = caps.size
-        other = int(non_draft.sum()) - n  # non-draft tokens beyond one per row
+        samples, caps, slots = rows[0], rows[1], rows[4]
+        n, other = caps.size, self._step_other
         n_sampling = int(np.count_nonzero(samples))
         # the drafting decision moves slowly: take it every few steps, or at once when the
         # batch size changed by a quarter
@@ -196,9 +195,7 @@ class SpecDecoder:
     def _update_survival(self, stale: np.ndarray) -> None:
         """EMA (over decision steps) of the mean prefix survival per position over the rows
         with drafts."""
-        if np.isnan(stale).any():
-            stale = np.nan_to_num(stale, nan=1.0)
-        survival = np.cumprod(stale, axis=1).sum(axis=0) / stale.shape[0]
+        survival = mean_survival(stale)  # (unknown confidences: 1.0)
         prev = self._survival
         self._survival = survival if prev is None else 0.2 * survival + 0.8 * prev
 
@@ -210,7 +207,7 @@ class SpecDecoder:
         if (not self.sc.draft_skipping or self._survival is None or num_sampling == 0
                 or self.tensor_parallel_size > 1):  # TP: ranks must agree; not broadcast (yet)
             return True
-        return drafting_pays(self.cost, self._survival[: self.k], num_sampling, 0, num_sampling,
+        return drafting_pays(self.cost, self._survival[: self.k], num_sampling,
                              self.fixed_costs.get("plain", num_sampling),
                              self.sc.min_predicted_gain)  # fmt: skip
 

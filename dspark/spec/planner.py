@@ -131,55 +131,63 @@ def plan_budget_lagged(
     if trim_penalty_ms > 0:  # a trimmed step runs a slower path than verify-all
         times = times + np.where(cand < total, trim_penalty_ms, 0.0)
     theta = yield_n[cand] / times
-    if opportunity_rate is not None:  # net value: the prefill's time is spent anyway
+    if opportunity_rate is None:  # the step's own tokens/ms
+        i = int(np.argmax(theta))
+        theta_best, theta_full = float(theta[i]), float(theta[-1])
+        if theta_full > 0:
+            gain = theta_best / theta_full - 1.0
+        else:
+            gain = 0.0 if theta_best <= 0 else float("inf")
+        trimmed = cand[i] < total and theta_best > theta_full * (1.0 + min_predicted_gain)
+    else:  # net value: the prefill's time is spent anyway
         value = yield_n[cand] - opportunity_rate * times
         i = int(np.argmax(value))
+        theta_best, theta_full = float(theta[i]), float(theta[-1])
         gain = float(value[i] - value[-1]) / max(float(yield_n[-1]), 1e-9)
-    else:
-        i = int(np.argmax(theta))
-    best, theta_best, theta_full = int(cand[i]), float(theta[i]), float(theta[-1])
-    if opportunity_rate is not None:
-        trimmed = best < total and gain > min_predicted_gain
-    elif theta_full > 0:
-        gain = theta_best / theta_full - 1.0
-        trimmed = best < total and theta_best > theta_full * (1.0 + min_predicted_gain)
-    else:
-        gain = 0.0 if theta_best <= 0 else float("inf")
-        trimmed = best < total and theta_best > theta_full * (1.0 + min_predicted_gain)
-    if not trimmed:
-        best = total
+        trimmed = cand[i] < total and gain > min_predicted_gain
+    trimmed = bool(trimmed)
+    best = int(cand[i]) if trimmed else total
     return BudgetDecision(budget=best, max_budget=total, theta_best=theta_best,
                           theta_full=theta_full, predicted_gain=gain, trimmed=trimmed)
 
 
-def drafting_pays(cost: CostModel, survival: np.ndarray, num_reqs: int, other: int,
-                  num_sampling: int, plain_fixed_ms: float | None,
-                  min_predicted_gain: float) -> bool:
-    """Whether some verify length l = 1..K (each sampling request verifying l drafts with the
-    given mean prefix survival) beats plain decoding in tokens per ms once the drafter's cost
-    is paid. Plain decoding costs `plain_fixed_ms` (the measured fixed cost of steps without
-    speculation; the table's fixed term until one is measured) + the forward of the base
-    tokens."""
-    base = num_reqs + other
+def decode_rates(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
+                 plain_fixed_ms: float | None) -> tuple[float, float]:
+    """Tokens per ms of a decode-only step of `num_reqs` sampling requests: (plain decoding,
+    the best verify length l = 1..K with every request verifying l drafts of the given mean
+    prefix survival, its drafter paid; -inf without a survival estimate). Plain decoding
+    costs `plain_fixed_ms` (the measured fixed cost of steps without speculation; the
+    table's fixed term until one is measured) + the forward of one token per request."""
     fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
-    plain = num_sampling / max(fixed + cost.verify_lookup(base), 1e-6)
+    plain = num_reqs / max(fixed + cost.verify_lookup(num_reqs), 1e-6)
+    if survival is None or survival.size == 0:
+        return plain, float("-inf")
     lengths = np.arange(1, survival.size + 1)
-    gains = num_sampling * (1.0 + np.cumsum(survival))
-    times = cost.step_time_lookup(base + num_sampling * lengths, num_reqs)
-    return float((gains / times).max()) > plain * (1.0 + min_predicted_gain)
+    times = cost.step_time_lookup(num_reqs * (1 + lengths), num_reqs)
+    return plain, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max())
+
+
+def drafting_pays(cost: CostModel, survival: np.ndarray, num_reqs: int,
+                  plain_fixed_ms: float | None, min_predicted_gain: float) -> bool:
+    """Whether some verify length beats plain decoding (decode_rates) by the guard margin."""
+    plain, spec = decode_rates(cost, survival, num_reqs, plain_fixed_ms)
+    return spec > plain * (1.0 + min_predicted_gain)
 
 
 def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
                 plain_fixed_ms: float | None) -> float:
-    """Tokens per ms of the best decode-only step for `num_reqs` sampling requests: plain
-    decoding, or each request verifying l drafts of the given mean prefix survival."""
-    fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
-    rate = num_reqs / max(fixed + cost.verify_lookup(num_reqs), 1e-6)
-    if survival is None or survival.size == 0:
-        return rate
-    lengths = np.arange(1, survival.size + 1)
-    times = cost.step_time_lookup(num_reqs * (1 + lengths), num_reqs)
-    return max(rate, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max()))
+    """Tokens per ms of the best decode-only step (decode_rates): what a draft's marginal
+    time in a step with prefill chunks must beat."""
+    return max(decode_rates(cost, survival, num_reqs, plain_fixed_ms))
+
+
+def mean_survival(stale: np.ndarray | None, prior_conf: float = 1.0) -> np.ndarray | None:
+    """Mean prefix survival per position over rows of stale conditional confidences (unknown
+    ones: the prior)."""
+    if stale is None or stale.size == 0:
+        return None
+    conf = np.clip(np.where(np.isnan(stale), prior_conf, stale), 0.0, 1.0)
+    return np.cumprod(conf, axis=1).mean(axis=0)
 
 
 # ---------------------------------------------------------------------- device side

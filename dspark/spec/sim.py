@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dspark.spec.cost_model import CostModel
-from dspark.spec.planner import Planner, decode_rate
+from dspark.spec.planner import Planner, decode_rate, mean_survival
 
 
 @dataclass
@@ -127,14 +127,6 @@ def _stale_conf(old: TraceStep | None, cur: TraceStep) -> np.ndarray | None:
     return out
 
 
-def _mean_survival(stale: np.ndarray | None, prior_conf: float) -> np.ndarray | None:
-    """Mean prefix survival per position of stale confidences (unknown ones: the prior)."""
-    if stale is None or stale.size == 0:
-        return None
-    conf = np.clip(np.where(np.isnan(stale), prior_conf, stale), 0.0, 1.0)
-    return np.cumprod(conf, axis=1).mean(axis=0)
-
-
 def simulate(trace: Sequence[TraceStep], policy: str | Planner, cost: CostModel, *,
              lag: int = 2, min_predicted_gain: float = 0.04, threshold: float = 0.5,
              prior_conf: float = 1.0, snap_to_graphs: bool = True) -> SimResult:
@@ -154,7 +146,7 @@ def simulate(trace: Sequence[TraceStep], policy: str | Planner, cost: CostModel,
             stale = _stale_conf(old, step)
             rate = None  # with prefill tokens, drafts are valued at the decoding rate (engine)
             if step.num_other_tokens > 0:
-                rate = decode_rate(cost, _mean_survival(stale, prior_conf),
+                rate = decode_rate(cost, mean_survival(stale, prior_conf),
                                    step.num_sampling_reqs, None)  # fmt: skip
             planner.plan_cpu(stale, step.capacities, step.num_other_tokens,
                              step.num_sampling_reqs, opportunity_rate=rate)
