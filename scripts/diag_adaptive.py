@@ -21,13 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
-
-
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(100, vocab - 100, length).tolist()}
-            for _ in range(n)]  # fmt: skip
+from profile_step import ASSETS, prompts  # noqa: E402  (the demo pair; random prompt ids)
 
 
 class StepLog:
@@ -145,12 +139,11 @@ def table_view(spec, conc: int) -> list[str]:
 def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     from dspark import SamplingParams
 
-    vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(prompts(conc, args.prompt_len, vocab, 1), params, use_tqdm=False)  # warm-up
+    llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
     log = StepLog(llm.engine)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts(conc, args.prompt_len, vocab, 2), params, use_tqdm=False)
+    outs = llm.generate(prompts(conc, args.prompt_len, 2), params, use_tqdm=False)
     wall = time.perf_counter() - t0
     log.restore()
     spec = llm.engine.runner.spec
@@ -168,29 +161,23 @@ def drafter_table(runner, conc: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from dspark.spec.cost_model import median_of_repeats
     from dspark.spec.profiler import _draft_step
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    ms = {}
+    ms = {}  # timed as the start-up cost profile times it
     for greedy in (False, True):
         step = _draft_step(runner, conc, 512, greedy=greedy)
-        for _ in range(3):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            step()
-        sync()
-        ms[greedy] = (time.perf_counter() - t0) * 100
+        ms[greedy] = median_of_repeats(step, repeats=10, warmup=3)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(5):
             step()
         sync()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return (f"  drafter for {conc} rows: {ms[False]:.2f} ms per call sampled, {ms[True]:.2f} ms "
-            "greedy (5 greedy calls profiled)\n"
+    return (f"  drafter for {conc} rows: median {ms[False]:.2f} ms per call sampled, "
+            f"{ms[True]:.2f} ms greedy (5 greedy calls profiled)\n"
             + prof.key_averages().table(sort_by=key, row_limit=25))
 
 
@@ -206,9 +193,8 @@ def prefill_table(llm, conc: int, prompt_len: int) -> str:
 
     engine = llm.engine
     label_phases(llm)  # phase:: ranges (target forward, write_context, propose, ...)
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    for i, p in enumerate(prompts(conc, prompt_len, vocab, 5)):
+    for i, p in enumerate(prompts(conc, prompt_len, 5)):
         engine.add_request(f"prefill-{i}", p, params)
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
