@@ -41,6 +41,10 @@ class StepLog:
                    "slots": sum(r.num_draft_slots for r in sched.rows),
                    "drafting": None if spec is None else bool(spec.draft_enabled),
                    "budget": None if spec is None else spec.last_budget}  # fmt: skip
+            if spec is not None:  # what the drafting decision saw at this batch size
+                n = len(sched.rows)
+                rec["fixed_spec"] = spec.fixed_costs.get("spec", n)
+                rec["fixed_plain"] = spec.fixed_costs.get("plain", n)
             self._pending.append(rec)
 
             def spy_wait():
@@ -70,13 +74,12 @@ class StepLog:
 
 
 def kind(rec: dict) -> str:
-    if rec["prefill"]:
-        return "prefill"
+    mixed = "prefill+" if rec["prefill"] else ""
     if rec["drafting"] is None:
-        return "nospec"
+        return "prefill" if mixed else "nospec"
     if rec.get("verified", 0) == 0:
-        return "plain+draft" if rec["drafting"] else "plain"
-    return f"verify {rec['verified'] // max(rec['rows'], 1)}/req" + (
+        return mixed + ("plain+draft" if rec["drafting"] else "plain")
+    return mixed + f"verify {rec['verified'] // max(rec['rows'], 1)}/req" + (
         "" if rec["drafting"] else " (no draft)")
 
 
@@ -105,6 +108,13 @@ def summarize(records: list[dict], spec) -> list[str]:
         emitted = float(np.mean([r.get("emitted", 0) for r in recs]))
         p = f"{np.mean(pred):10.2f}" if pred else f"{'-':>10}"
         lines.append(f"  {name:<22}{len(recs):6d}{ms:9.2f}{p}{emitted:9.1f}{emitted / ms:8.2f}")
+    fixed = [r for r in records if r.get("fixed_spec") is not None]
+    if fixed:
+        def mean_of(key):
+            vals = [r[key] for r in fixed if r.get(key) is not None]
+            return f"{np.mean(vals):.2f}" if vals else "-"
+        lines.append(f"  fixed terms the plans used (mean over steps): spec {mean_of('fixed_spec')}"
+                     f" ms, plain {mean_of('fixed_plain')} ms")
     decode = [r for r in records if not r["prefill"]]
     if decode:
         ms, toks = sum(r["ms"] for r in decode), sum(r.get("emitted", 0) for r in decode)
@@ -152,6 +162,38 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     lines += summarize(log.records, spec)
     if spec is not None and spec.cost is not None:
         lines += table_view(spec, conc)
+    return lines, {"tok_s": toks / wall, "records": log.records}
+
+
+def measure_serving(llm, args, conc: int) -> tuple[list[str], dict]:
+    """As `dspark bench serve --max-concurrency conc` drives a server: `conc` requests in
+    flight, a new one added as soon as one finishes, 2 x conc in all (prefill chunks then land
+    in most decode steps, as they do in serving)."""
+    from dspark import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
+    engine, todo = llm.engine, prompts(2 * conc, args.prompt_len, 2)
+    log = StepLog(engine)
+    t0, toks, added = time.perf_counter(), 0, 0
+    for added in range(conc):
+        engine.add_request(f"serve-{added}", todo[added], params)
+    added = conc
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                toks += len(out.outputs[0].token_ids)
+                if added < len(todo):
+                    engine.add_request(f"serve-{added}", todo[added], params)
+                    added += 1
+    wall = time.perf_counter() - t0
+    log.restore()
+    spec = engine.runner.spec
+    lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, {2 * conc} requests,"
+             f" {conc} in flight)"]
+    lines += summarize(log.records, spec)
+    if spec is not None:
+        lines.append(f"  learned fixed terms by batch-size bucket: {spec.fixed_costs._ema}")
     return lines, {"tok_s": toks / wall, "records": log.records}
 
 
@@ -226,7 +268,7 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
              max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
              max_num_batched_tokens=args.max_num_batched_tokens, **extra) as llm:  # fmt: skip
         for conc in levels:
-            lines, data = measure(llm, args, conc)
+            lines, data = (measure_serving if args.serving else measure)(llm, args, conc)
             title = f"### {arm} at concurrency {conc}"
             if spec_cfg is not None and args.synthetic_rates:
                 title += " (SYNTHETIC acceptance)"
@@ -261,6 +303,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--synthetic-rates", default="0.65,0.56,0.55,0.55,0.57,0.76,0.8")
+    ap.add_argument("--serving", action="store_true",
+                    help="keep CONC requests in flight, 2 x CONC in all (as bench serve does)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random pair")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()

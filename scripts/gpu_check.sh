@@ -15,7 +15,8 @@
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
 #   diag    adaptive vs no-spec step by step on the 8B shape, SYNTHETIC acceptance, at DIAG_CONC
 #           (default 64,128; DIAG_ARMS, default nospec,adaptive; DIAG_KERNELS: kernel tables,
-#           e.g. draft@128,prefill@64) -> $OUT/diag_adaptive.*
+#           e.g. draft@128,prefill@64; DIAG_ARGS=--serving: CONC requests kept in flight, as
+#           bench serve drives a server) -> $OUT/diag_adaptive.*
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min)
 #           -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
@@ -105,7 +106,7 @@ if has diag; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes >/dev/null
   timeout -k 10 ${DIAG_TIMEOUT:-420} python3 scripts/diag_adaptive.py --concurrency "${DIAG_CONC:-64,128}" \
     --arms "${DIAG_ARMS:-nospec,adaptive}" --kernel-tables "${DIAG_KERNELS:-}" \
-    --out "$OUT" 2>&1 \
+    --out "$OUT" ${DIAG_ARGS:-} 2>&1 \
     | grep -v "^SYNTHETIC" > "$OUT/diag.log"
   cat "$OUT/diag_adaptive.txt" 2>/dev/null || tail -30 "$OUT/diag.log"
 fi

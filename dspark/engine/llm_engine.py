@@ -227,24 +227,27 @@ class LLMEngine:
         # the previous call's outputs: built while `launched` runs (reads only request state
         # fixed by that commit and touches nothing the device reads)
         outputs = self._deliver_outputs()
-        committed = None
+        committed = []
         if previous is not None:
-            committed = self._commit_launched(previous, advanced=True)
+            committed.append(self._commit_launched(previous, advanced=True))
             outputs += self._deliver_outputs()  # (one commit's outputs at a time)
         if launched is not None:
             if ahead:
                 self._in_flight = launched
             else:
-                committed = self._commit_launched(launched, advanced=False)
+                committed.append(self._commit_launched(launched, advanced=False))
                 # left for the next call to build while its step runs, unless none follows
                 # (with async scheduling: delivered at once, as a scheduled-ahead step's)
                 if self.async_scheduling or not self.scheduler.has_unfinished():
                     outputs += self._deliver_outputs()
-        if (committed is not None and self.runner.spec is not None
-                and self.runner.num_graph_captures() == captures):  # a capture is no step's cost
-            # the whole step, host work included, is the cost (the last committed)
-            self.runner.spec.observe_step_time(self._step_period_ms(t0), committed[1].num_tokens,
-                                               len(committed[0].rows), committed[2])  # fmt: skip
+        period_ms = self._step_period_ms(t0)
+        # the whole step, host work included, is the cost: observed only when this call's
+        # period is one step's (it committed one; a call committing two spans both: the switch
+        # from steps scheduled ahead to one waited for) and no graph was captured
+        if (len(committed) == 1 and self.runner.spec is not None
+                and self.runner.num_graph_captures() == captures):  # fmt: skip
+            sched, result, tag = committed[0]
+            self.runner.spec.observe_step_time(period_ms, result.num_tokens, len(sched.rows), tag)
         return outputs
 
     def _predictable(self, sched: SchedulerOutput) -> bool:
@@ -294,10 +297,12 @@ class LLMEngine:
         self._last_step_end = None
 
     def _step_period_ms(self, t0: float) -> float:
-        """What this step cost: from the end of the previous step while busy (so the driver's
-        per-step work between steps counts: a server's streaming of every request's output,
-        the GIL its event loop holds), else from this step's start. A gap over
-        _MAX_GAP_S is a pause, not per-step work."""
+        """What this call's step cost: from the end of the previous call while busy (so the
+        driver's per-step work between steps counts: a server's streaming of every request's
+        output, the GIL its event loop holds), else from this call's start. Every call ends a
+        period, also one that commits nothing (it launched a step left in flight: the first
+        after a step waited for), so a period never spans two calls. A gap over _MAX_GAP_S is
+        a pause, not per-step work."""
         now, last = time.perf_counter(), self._last_step_end
         self._last_step_end = now
         start = t0 if last is None or t0 - last > _MAX_GAP_S else last
