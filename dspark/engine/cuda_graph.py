@@ -7,6 +7,17 @@ padding (token 0, position 0, the sentinel slot) and rows past the real ones hav
 (query_start_loc repeats the total). The token->request map is recomputed inside the graph
 from the device query_start_loc, so changing ragged boundaries replay exactly like eager.
 Steps with longer queries (prefill chunks) or more tokens than the largest bucket run eagerly.
+
+Prefill graphs (`capture_prefill_graphs`): a second set over token buckets up to
+PREFILL_GRAPH_MAX_TOKENS with the promised query length of a whole chunk (the attention's
+prefill block shape), for steps that mix prefill chunks with decode rows. Eager, such a step
+is bound by the host's launches of every layer's kernels when it carries few tokens: on the
+H200 a mixed step of ~770 tokens took 39-54 ms against a 13 ms graph decode step of the
+same rows (diag_adaptive --serving), and speculation makes these steps common in serving
+(requests finish at different steps, so new prompts arrive one or two at a time). Past the
+cap, a step's device time hides the launches. They share the decode graphs' memory pool and
+write into one output buffer of the largest bucket (a replay overwrites the previous one's
+hidden states, which the step consumed on the same stream before).
 """
 
 from __future__ import annotations
@@ -39,6 +50,34 @@ def capture_guard():
             gc.enable()
 
 
+PREFILL_GRAPH_MAX_TOKENS = 4096
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token buckets of the prefill graphs: fine enough that padding costs at most a quarter
+    of a step past 1,024 tokens."""
+    sizes = [16, 32, 64, 128] + list(range(256, PREFILL_GRAPH_MAX_TOKENS + 1, 256))
+    return [s for s in sizes if s <= max_tokens]
+
+
+def capture_prefill_graphs(runner, decode_graphs: CudaGraphRunner) -> CudaGraphRunner | None:
+    """The prefill graphs of a runner (None: none fit, or capture failed: those steps then run
+    eagerly, as before; the decode graphs are unaffected)."""
+    limit = runner.config.max_num_batched_tokens
+    buckets = prefill_buckets(limit)
+    if not buckets:
+        return None
+    graphs = CudaGraphRunner(runner, max_query_len=limit, buckets=buckets,
+                             pool=decode_graphs.pool, shared_outputs=True,
+                             min_query_len=decode_graphs.max_query_len + 1)  # fmt: skip
+    try:
+        graphs.capture()
+    except Exception:
+        logger.exception("prefill CUDA graph capture failed: steps with prefill chunks run eagerly")
+        return None
+    return graphs
+
+
 def default_buckets(max_tokens: int) -> list[int]:
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
     sizes += [640, 768, 896, 1024, 1280, 1536, 1792, 2048]
@@ -46,10 +85,18 @@ def default_buckets(max_tokens: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, max_query_len: int, max_tokens: int):
+    def __init__(self, runner, max_query_len: int, max_tokens: int | None = None,
+                 buckets: list[int] | None = None, pool=None, shared_outputs: bool = False,
+                 min_query_len: int = 0):
         self.runner = runner
         self.max_query_len = max_query_len
-        self.buckets = default_buckets(max_tokens)
+        # steps of shorter queries only are not this set's (prefill graphs: they keep the
+        # decode block shape, eagerly past the decode buckets)
+        self.min_query_len = min_query_len
+        self.buckets = buckets if buckets is not None else default_buckets(max_tokens)
+        # one output buffer for every bucket (else each graph keeps its own outputs alive)
+        self.shared_outputs = shared_outputs
+        self._out: tuple[torch.Tensor, torch.Tensor | None] | None = None
         cfg = runner.config
         self.max_reqs = cfg.max_num_seqs
         dev = runner.device
@@ -64,7 +111,8 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(r, max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.pool = None
+        self.pool = pool
+        self.replays = 0  # (tests and diagnostics)
 
     def _forward(self, t: int):
         r = min(t, self.max_reqs)
@@ -92,19 +140,26 @@ class CudaGraphRunner:
             self.seq_lens[:r] = torch.diff(base).to(torch.int32)
             self.positions[:t] = 0
             for _ in range(2):  # warm up (Triton autotuning / compilation) outside the graph
-                self._forward(t)
+                out = self._forward(t)
+            if self.shared_outputs and self._out is None:  # sized by the largest bucket
+                self._out = tuple(None if x is None else torch.empty_like(x) for x in out)
+            del out
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 out = self._forward(t)
+                if self.shared_outputs:  # the forward's own outputs die with the capture
+                    out = tuple(None if buf is None else buf[:t].copy_(x)
+                                for buf, x in zip(self._out, out, strict=True))
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[t], self.outputs[t] = g, out
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for token buckets %s", len(self.graphs), self.buckets)
+        logger.info("captured %d CUDA graphs for token buckets %s (query length <= %d)",
+                    len(self.graphs), self.buckets, self.max_query_len)
 
     def bucket_for(self, num_tokens: int, num_reqs: int, max_query_len: int) -> int | None:
-        if max_query_len > self.max_query_len:
+        if not self.min_query_len <= max_query_len <= self.max_query_len:
             return None
         for t in self.buckets:
             if t >= num_tokens:
@@ -133,5 +188,6 @@ class CudaGraphRunner:
         self.block_tables[:r, nb:].zero_()
         self.block_tables[r:r_cap].zero_()
         self.graphs[t].replay()
+        self.replays += 1
         hidden, aux = self.outputs[t]
         return hidden[:n], None if aux is None else aux[:n]

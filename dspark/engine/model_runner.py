@@ -118,7 +118,7 @@ class ModelRunner:
                 logger.info("attention kernels: %d launch variants compiled", n)
             except Exception:  # serving still works: variants then compile on first use
                 logger.exception("attention kernel warm-up failed")
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.step_graphs: StepGraphs | None = None
         # Collectives inside CUDA graphs are untested here: eager under tensor parallelism
         # unless DSPARK_TP_CUDA_GRAPHS=1.
@@ -143,6 +143,11 @@ class ModelRunner:
                 self.graphs = None
                 if self.spec is not None:
                     self.spec.draft_graphs = None
+            if (self.graphs is not None and self.tp.size == 1
+                    and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0"):  # fmt: skip
+                from dspark.engine.cuda_graph import capture_prefill_graphs
+
+                self.prefill_graphs = capture_prefill_graphs(self, self.graphs)
             if self.graphs is not None and self.world is None and self.tp.size == 1:
                 try:
                     self.step_graphs = StepGraphs(self)
@@ -223,6 +228,11 @@ class ModelRunner:
             tokens = self.config.max_num_batched_tokens
             act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
             act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
+            if not self.config.enforce_eager:  # the prefill graphs' pool stays allocated
+                from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS
+
+                act += min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
+                    4 * c.hidden_size + 2 * c.intermediate_size) * 2  # fmt: skip
             budget = free - (1 - self.config.gpu_memory_utilization) * total - act
         else:
             budget = self.config.cpu_kv_cache_gb * (1 << 30)
@@ -325,11 +335,13 @@ class ModelRunner:
         return wait
 
     def forward(self, input_ids: torch.Tensor, md, num_tokens: int):
-        """Target forward over a ragged stream: CUDA-graph replay when a bucket fits."""
-        if self.graphs is not None:
-            t = self.graphs.bucket_for(num_tokens, md.num_reqs, md.max_query_len)
-            if t is not None:
-                return self.graphs.run_raw(input_ids, md, num_tokens, t)
+        """Target forward over a ragged stream: CUDA-graph replay when a bucket fits (decode
+        and verify graphs, then prefill graphs)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                t = graphs.bucket_for(num_tokens, md.num_reqs, md.max_query_len)
+                if t is not None:
+                    return graphs.run_raw(input_ids, md, num_tokens, t)
         return self.eager_forward(input_ids, md)
 
     def eager_forward(self, input_ids: torch.Tensor, md):
@@ -361,7 +373,7 @@ class ModelRunner:
         cannot run steps afterwards (`released`)."""
         self.shutdown()
         self.released = True
-        self.graphs = self.step_graphs = None
+        self.graphs = self.prefill_graphs = self.step_graphs = None
         if self.spec is not None:
             self.spec.draft_graphs = None
             self.spec.kv_caches = []

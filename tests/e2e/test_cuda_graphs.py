@@ -51,11 +51,38 @@ def test_graph_replay_equals_eager_with_changing_boundaries(ckpt_dir, tmp_path):
         t = runner.graphs.bucket_for(n, md.num_reqs, md.max_query_len)
         assert t is not None
         graph_hidden = runner.graphs.run_raw(ids, md, n, t)[0].clone()
-        saved = runner.graphs
-        runner.graphs = None
-        eager_hidden = runner.forward(ids, md, n)[0]
-        runner.graphs = saved
+        eager_hidden = runner.eager_forward(ids, md)[0]
         torch.testing.assert_close(graph_hidden, eager_hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_graph_replay_equals_eager(ckpt_dir, tmp_path):
+    """Steps mixing prefill chunks (tens to hundreds of tokens, over a cached prefix) with
+    decode/verify rows replay the prefill graphs: hidden and drafter features equal eager's."""
+    path = ckpt_dir("qwen3_gqa2")
+    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path), "num_speculative_tokens": 4}
+    llm = CudaLLM(path, dtype="float32", max_num_seqs=16, max_num_batched_tokens=1024,
+                  speculative_config=spec)  # fmt: skip
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.buckets[-1] == 1024
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        rows = int(torch.randint(1, 12, (1,), generator=gen))
+        q_lens = torch.randint(1, 6, (rows,), generator=gen)
+        chunks = int(torch.randint(1, 3, (1,), generator=gen))
+        q_lens[:chunks] = torch.randint(6, 400, (chunks,), generator=gen)  # prefill chunks
+        q_lens = q_lens[torch.randperm(rows, generator=gen)].tolist()
+        ids, md = _ragged(runner, q_lens, context=int(torch.randint(0, 90, (1,), generator=gen)))
+        n = ids.shape[0]
+        assert runner.graphs.bucket_for(n, md.num_reqs, md.max_query_len) is None
+        t = graphs.bucket_for(n, md.num_reqs, md.max_query_len)
+        assert t is not None and t >= n
+        before = graphs.replays
+        graph_out = [x.clone() for x in runner.forward(ids, md, n)]
+        assert graphs.replays == before + 1
+        eager_out = runner.eager_forward(ids, md)
+        for got, want in zip(graph_out, eager_out, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_verify_graphs_with_adaptive_lengths_match_enforce_eager(ckpt_dir, tmp_path):
@@ -99,9 +126,10 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
     a = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
     sg = graph.engine.runner.step_graphs
     assert sg is not None and len(sg.graphs) > 0 and sum(sg.steps.values()) >= 5, sg.steps
+    assert graph.engine.runner.prefill_graphs.replays > 0  # the prompts' steps
     graph.shutdown()
     eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
-    assert eager.engine.runner.step_graphs is None
+    assert eager.engine.runner.step_graphs is None and eager.engine.runner.prefill_graphs is None
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     if policy == "lagged" and temperature > 0:
         # plans follow measured step times, so the verified drafts (and samples) differ

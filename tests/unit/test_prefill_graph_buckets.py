@@ -1,0 +1,35 @@
+"""Which steps the prefill CUDA graphs take (the replay itself is tested on CUDA in
+tests/e2e/test_cuda_graphs.py): any step with a prefill chunk up to PREFILL_GRAPH_MAX_TOKENS
+tokens, in the smallest bucket that holds it, never one the decode graphs take."""
+
+from dspark import LLM
+from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS, CudaGraphRunner, prefill_buckets
+
+
+def test_prefill_buckets_cover_the_batch_limit_with_bounded_padding():
+    b = prefill_buckets(8192)
+    assert b[0] == 16 and b[-1] == PREFILL_GRAPH_MAX_TOKENS
+    assert all(x < y for x, y in zip(b, b[1:]))
+    assert prefill_buckets(1000)[-1] == 768 and prefill_buckets(8) == []
+    for n in range(1025, PREFILL_GRAPH_MAX_TOKENS + 1):
+        t = next(x for x in b if x >= n)
+        assert t - n <= n // 4  # padding past 1,024 tokens: at most a quarter of the step
+
+
+def test_steps_with_prefill_chunks_go_to_the_prefill_graphs(tiny_qwen):
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=8, max_num_batched_tokens=2048)
+    runner = llm.engine.runner
+    decode = CudaGraphRunner(runner, max_query_len=5, max_tokens=1024)
+    prefill = CudaGraphRunner(runner, max_query_len=2048, buckets=prefill_buckets(2048),
+                              min_query_len=6)
+    # a prefill chunk of 300 tokens and 4 decode rows: not a decode graph's step
+    assert decode.bucket_for(304, 5, 300) is None
+    assert prefill.bucket_for(304, 5, 300) == 512
+    assert prefill.bucket_for(16, 3, 14) == 16 and prefill.bucket_for(17, 3, 14) == 32
+    assert prefill.bucket_for(2048, 8, 2000) == 2048
+    assert prefill.bucket_for(2049, 8, 2000) is None  # past the largest bucket: eager
+    assert prefill.bucket_for(16, 9, 8) is None  # more rows than the bucket's 8 (max_num_seqs)
+    # decode/verify steps stay on the decode graphs, and past their buckets run eagerly with
+    # the decode block shape, not a prefill graph's
+    assert decode.bucket_for(20, 4, 5) == 24 and prefill.bucket_for(20, 4, 5) is None
+    assert decode.bucket_for(1030, 8, 5) is None and prefill.bucket_for(1030, 8, 5) is None
