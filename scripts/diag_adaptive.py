@@ -175,10 +175,9 @@ def measure_serving(llm, args, conc: int) -> tuple[list[str], dict]:
     llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
     engine, todo = llm.engine, prompts(2 * conc, args.prompt_len, 2)
     log = StepLog(engine)
-    t0, toks, added = time.perf_counter(), 0, 0
-    for added in range(conc):
-        engine.add_request(f"serve-{added}", todo[added], params)
-    added = conc
+    t0, toks, added = time.perf_counter(), 0, conc
+    for i in range(conc):
+        engine.add_request(f"serve-{i}", todo[i], params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

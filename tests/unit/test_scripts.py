@@ -12,9 +12,9 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def _smoke(script: str, out) -> subprocess.CompletedProcess:
+def _smoke(script: str, out, *extra: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, f"scripts/{script}", "--smoke", "--out", str(out)],
+        [sys.executable, f"scripts/{script}", "--smoke", "--out", str(out), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -156,3 +156,14 @@ def test_diag_adaptive_smoke(tmp_path):
     spec_steps = [r for r in records["adaptive@3"]["records"] if not r["prefill"]]
     assert spec_steps and all(r["ms"] > 0 and r["emitted"] >= r["rows"] for r in spec_steps)
     assert "verify 1/req: forward" in report  # the cost table's view of the decision
+
+
+def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
+    _smoke("diag_adaptive.py", tmp_path, "--serving")
+    report = (tmp_path / "diag_adaptive.txt").read_text()
+    assert report.count("6 requests, 3 in flight") == 2  # both arms
+    records = json.loads((tmp_path / "diag_adaptive.json").read_text())
+    # every request of both waves ran to its 12 tokens (the smoke's max_tokens)
+    assert sum(r["emitted"] for r in records["nospec@3"]["records"]) == 6 * 12
+    assert sum(r["emitted"] for r in records["adaptive@3"]["records"]) >= 6 * 12
+    assert "learned fixed terms by batch-size bucket" in report
