@@ -34,14 +34,16 @@ class StepLog:
         launch, step = runner.launch, engine.step
 
         def spy_launch(sched, tables):
-            wait = launch(sched, tables)
             spec = runner.spec
+            plan0 = None if spec is None else spec.plan_ms
+            wait = launch(sched, tables)
             rec = {"rows": len(sched.rows), "tokens": sched.num_tokens,
                    "prefill": any(r.num_non_draft_tokens > 1 for r in sched.rows),
                    "slots": sum(r.num_draft_slots for r in sched.rows),
                    "drafting": None if spec is None else bool(spec.draft_enabled),
                    "budget": None if spec is None else spec.last_budget}  # fmt: skip
             if spec is not None:  # what the drafting decision saw at this batch size
+                rec["plan_ms"] = spec.plan_ms - plan0  # (the scheduler overhead's planning)
                 n = len(sched.rows)
                 rec["fixed_spec"] = spec.fixed_costs.get("spec", n)
                 rec["fixed_plain"] = spec.fixed_costs.get("plain", n)
@@ -114,7 +116,8 @@ def summarize(records: list[dict], spec) -> list[str]:
             vals = [r[key] for r in fixed if r.get(key) is not None]
             return f"{np.mean(vals):.2f}" if vals else "-"
         lines.append(f"  fixed terms the plans used (mean over steps): spec {mean_of('fixed_spec')}"
-                     f" ms, plain {mean_of('fixed_plain')} ms")
+                     f" ms, plain {mean_of('fixed_plain')} ms; planning {mean_of('plan_ms')} ms"
+                     " per step")
     decode = [r for r in records if not r["prefill"]]
     if decode:
         ms, toks = sum(r["ms"] for r in decode), sum(r.get("emitted", 0) for r in decode)
