@@ -10,10 +10,11 @@ Steps with longer queries (prefill chunks) or more tokens than the largest bucke
 
 Prefill graphs (`capture_prefill_graphs`): a second set over token buckets up to
 PREFILL_GRAPH_MAX_TOKENS with the promised query length of a whole chunk (the attention's
-prefill block shape), for steps that mix prefill chunks with decode rows. Eager, such a step
-is bound by the host's launches of every layer's kernels when it carries few tokens: on the
-H200 a mixed step of ~770 tokens took 39-54 ms against a 13 ms graph decode step of the
-same rows (diag_adaptive --serving), and speculation makes these steps common in serving
+prefill block shape), for steps that mix prefill chunks with decode rows. Eager, a small
+such step pays the host's launches of every layer's kernels: on the H200 a mixed step of ~770
+tokens took 39-54 ms against a 13 ms graph decode step of the same rows (diag_adaptive
+--serving; the host launch cost is the inferred cause), and speculation makes these steps
+common in serving
 (requests finish at different steps, so new prompts arrive one or two at a time). Past the
 cap, a step's device time hides the launches. They share the decode graphs' memory pool and
 write into one output buffer of the largest bucket (a replay overwrites the previous one's
