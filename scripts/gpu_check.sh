@@ -19,8 +19,9 @@
 #           bench serve drives a server) -> $OUT/diag_adaptive.*
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min)
 #           -> $OUT/ceiling.log
-# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for both bench_e2e.py runs (default
-# "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels fits a 10-minute call).
+# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
+# "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
+# call; synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
 # packs the rest (per-arm results, server logs, other plots) into one .tgz.
 set -uo pipefail
@@ -99,7 +100,7 @@ if has synth; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target /tmp/shapes/qwen3-8b --drafter /tmp/shapes/qwen3-8b-dspark \
     --load-format dummy --dataset random --sweep "$SWEEP" --temperatures 0 \
     --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
-    --out /tmp/synth ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/synth.log" | tail -30
+    --out /tmp/synth ${E2E_ARGS:---num-prompts 16 --warmup 8} 2>&1 | tee "$OUT/synth.log" | tail -30
   pack synth
 fi
 if has diag; then
