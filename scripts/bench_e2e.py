@@ -227,6 +227,12 @@ def print_table(args, temps, results, checks, label) -> None:
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
                   + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+        kinds = [((r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
+                  or {}).get("steps_by_kind") for r in results[(names[2], t)]["results"]]
+        if any(kinds):  # what the adaptive server ran at each level
+            print(f"{names[2]} steps by kind (plain / draft / verify / mixed): " + ", ".join(
+                f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}" for x in (
+                    "plain", "draft", "verify", "mixed")) for lvl, k in zip(levels, kinds)))
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip

@@ -35,6 +35,9 @@ SPEC_COUNTERS = {
     "num_steps": "dspark_spec_num_steps_total",
 }
 SPEC_FIELDS = tuple(SPEC_COUNTERS)
+# steps by kind (speculative engines; a kind's series appears once it has counted a step)
+STEP_KIND_SERIES = {kind: f'dspark_spec_steps_total{{kind="{kind}"}}'
+                    for kind in ("plain", "draft", "verify", "mixed")}  # fmt: skip
 MAX_KEPT_ERRORS = 5
 
 
@@ -251,7 +254,8 @@ def spec_from_responses(outputs: list[RequestOutput]) -> dict | None:
 
 
 def parse_prometheus(text: str, names: set[str]) -> dict[str, float]:
-    """Sum of each wanted metric over all its label sets (Prometheus text format)."""
+    """Sum of each wanted metric over all its label sets (Prometheus text format); a wanted
+    name written with its labels (`name{k="v"}`, as rendered) selects that series alone."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -259,6 +263,8 @@ def parse_prometheus(text: str, names: set[str]) -> dict[str, float]:
             continue
         if "{" in line:
             name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
+            series = line[: line.rfind("}") + 1]
+            name = series if series in names else name
         else:
             name, _, rest = line.partition(" ")
         if name in names:
@@ -275,12 +281,14 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
         async with session.get(cfg.root_url + "/metrics", headers=cfg.headers()) as resp:
             if resp.status != 200:
                 return None
-            found = parse_prometheus(await resp.text(), set(SPEC_COUNTERS.values()))
+            wanted = set(SPEC_COUNTERS.values()) | set(STEP_KIND_SERIES.values())
+            found = parse_prometheus(await resp.text(), wanted)
     except Exception:  # noqa: BLE001 - metrics are optional
         return None
-    if len(found) != len(SPEC_COUNTERS):
+    if not all(name in found for name in SPEC_COUNTERS.values()):
         return None
-    return {k: found[name] for k, name in SPEC_COUNTERS.items()}
+    return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
+        f"steps:{kind}": found[name] for kind, name in STEP_KIND_SERIES.items() if name in found}
 
 
 def spec_from_counters(before: dict | None, after: dict | None, num_requests: int) -> dict | None:
@@ -289,7 +297,12 @@ def spec_from_counters(before: dict | None, after: dict | None, num_requests: in
     delta = {k: after[k] - before[k] for k in SPEC_FIELDS}
     if delta["num_steps"] <= 0 and delta["num_drafted_tokens"] <= 0:
         return None
-    return spec_summary(delta, num_requests, "metrics")
+    summary = spec_summary(delta, num_requests, "metrics")
+    kinds = {k.removeprefix("steps:"): after[k] - before.get(k, 0.0)
+             for k in after if k.startswith("steps:")}  # fmt: skip
+    if kinds:  # the server's steps during the level, by kind
+        summary["steps_by_kind"] = kinds
+    return summary
 
 
 # ----------------------------------------------------------------------------- running

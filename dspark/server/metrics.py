@@ -54,6 +54,11 @@ class ServerMetrics:
         self.counters = {
             key: Counter(name, doc, registry=r) for key, (name, doc) in _ENGINE_COUNTERS.items()
         }
+        self.step_kinds = Counter(
+            "dspark_spec_steps", "Steps of a speculative engine by kind: plain (no drafts "
+            "verified or proposed), draft (proposing only), verify, mixed (with prefill chunks).",
+            ["kind"], registry=r,
+        )  # fmt: skip
         self._last: dict[str, float] = {}
         self.ttft = Histogram(
             "dspark_time_to_first_token_seconds", "Time to the first token.",
@@ -154,6 +159,12 @@ class ServerMetrics:
         if steps:
             self.mean_acceptance_length.set((snap.get("spec_accepted", 0) + steps) / steps)
         runtime = dict(snap.get("spec_runtime") or {})
+        for kind, value in (runtime.get("step_counts") or {}).items():
+            key = f"steps:{kind}"
+            delta = float(value) - self._last.get(key, 0.0)
+            if delta > 0:
+                self.step_kinds.labels(kind=kind).inc(delta)
+            self._last[key] = max(float(value), self._last.get(key, 0.0))
         if not snap.get("spec_enabled"):
             runtime.setdefault("cost_table_status", "disabled")
         self._update_runtime(runtime)

@@ -25,7 +25,7 @@ from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, decode_rate, drafting_pays, mean_survival
 from dspark.spec.synthetic import verify_synthetic
-from dspark.spec.tracing import Timer, decoder_metrics, trace_record
+from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class SpecDecoder:
         self._alloc_events: list[tuple] = []
         self._alloc_ms = 0.0
         self._no_drafts = False
+        self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
         self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
         # lagged plans (graph_trims); else a trimmed plan pays the per-phase path's extra cost
@@ -149,13 +150,16 @@ class SpecDecoder:
                 changed |= self.fixed_costs.apply(self.cost, n)
             if changed and self.planner is not None:
                 self.planner.invalidate_tables()  # device tables embed both
-        if self._policy != "lagged":
-            return None
-        t0 = time.perf_counter()
-        try:
-            return self._plan(rows)
-        finally:
-            self.plan_ms += (time.perf_counter() - t0) * 1e3
+        budget = None
+        if self._policy == "lagged":
+            t0 = time.perf_counter()
+            try:
+                budget = self._plan(rows)
+            finally:
+                self.plan_ms += (time.perf_counter() - t0) * 1e3
+        verifies = budget != 0 and bool(rows[1].any())
+        self.step_counts[step_kind(self._step_other, verifies, self.draft_enabled)] += 1
+        return budget
 
     def _plan(self, rows: np.ndarray) -> int:
         samples, caps, slots = rows[0], rows[1], rows[4]

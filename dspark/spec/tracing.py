@@ -65,4 +65,19 @@ def decoder_metrics(sd) -> dict:
             cost.fixed_overhead_ms, reqs),
         "confidence_source": "head" if sd.use_head else "online",
         "drafting": sd.draft_enabled,
+        "step_counts": dict(sd.step_counts),
     }
+
+
+STEP_KINDS = ("plain", "draft", "verify", "mixed")
+
+
+def step_kind(prefill_tokens: int, verifies: bool, drafts: bool) -> str:
+    """A planned step's kind for the step counters: mixed (it carries prefill chunks), verify
+    (it verifies drafts), draft (it only drafts: a probe, or the first step drafting again),
+    plain (neither: what a no-speculation engine runs)."""
+    if prefill_tokens > 0:
+        return "mixed"
+    if verifies:
+        return "verify"
+    return "draft" if drafts else "plain"

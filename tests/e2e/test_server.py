@@ -329,9 +329,12 @@ def test_spec_metrics_from_snapshot_deltas():
             "spec_verified": 50, "spec_accepted": 30, "spec_accepted_per_pos": [8, 6],
             "spec_verified_per_pos": [10, 8], "generation_tokens": 40, "prefix_queries": 100,
             "prefix_hits": 25, "spec_runtime": {"budget": 48, "predicted_gain": 0.3,
-                                                "cost_table_status": "loaded"}}  # fmt: skip
+                                                "cost_table_status": "loaded",
+                                                "step_counts": {"plain": 4, "verify": 6}}}
     m.update_from_snapshot(snap, alive=True)
-    m.update_from_snapshot({**snap, "spec_drafted": 77, "spec_num_steps": 11}, alive=True)
+    later = {**snap["spec_runtime"], "step_counts": {"plain": 9, "verify": 6, "mixed": 2}}
+    m.update_from_snapshot({**snap, "spec_drafted": 77, "spec_num_steps": 11,
+                            "spec_runtime": later}, alive=True)  # fmt: skip
     text = m.render()[0].decode()
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
@@ -342,5 +345,8 @@ def test_spec_metrics_from_snapshot_deltas():
     assert got[("dspark_spec_acceptance_per_position", (("position", "1"),))] == 6 / 11
     assert got[("dspark_spec_conditional_acceptance_per_position", (("position", "0"),))] == 0.8
     assert got[("dspark_spec_verify_budget", ())] == 48
+    assert got[("dspark_spec_steps_total", (("kind", "plain"),))] == 9
+    assert got[("dspark_spec_steps_total", (("kind", "verify"),))] == 6
+    assert got[("dspark_spec_steps_total", (("kind", "mixed"),))] == 2
     assert got[("dspark_spec_cost_table_info", (("status", "loaded"),))] == 1
     assert got[("dspark_prefix_cache_hit_rate", ())] == 0.25

@@ -138,6 +138,24 @@ other_metric 5
     assert s["verified_tokens_per_request"] == pytest.approx(5.0)
     assert spec_from_counters(None, after, 10) is None
     assert spec_from_counters(after, after, 10) is None  # nothing happened: no stats
+    assert "steps_by_kind" not in s  # a server without step kinds
+
+
+def test_steps_by_kind_per_level_from_labelled_series():
+    text = """dspark_spec_steps_total{kind="plain"} 40.0
+dspark_spec_steps_total{kind="verify"} 7.0
+dspark_spec_steps_created{kind="plain"} 1.7e9
+"""
+    one = 'dspark_spec_steps_total{kind="plain"}'
+    assert parse_prometheus(text, {one}) == {one: 40.0}
+    assert parse_prometheus(text, {"dspark_spec_steps_total"}) == {"dspark_spec_steps_total": 47}
+    base = {"num_drafted_tokens": 0, "num_verified_tokens": 0, "num_accepted_tokens": 0,
+            "num_steps": 0}
+    before = base | {"steps:plain": 40.0, "steps:verify": 7.0}
+    after = base | {"num_steps": 3, "num_drafted_tokens": 21, "steps:plain": 52.0,
+                    "steps:verify": 10.0, "steps:mixed": 2.0}  # (mixed: new this level)
+    s = spec_from_counters(before, after, num_requests=4)
+    assert s["steps_by_kind"] == {"plain": 12.0, "verify": 3.0, "mixed": 2.0}
 
 
 # ----------------------------------------------------------------------------- datasets

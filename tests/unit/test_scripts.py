@@ -114,6 +114,14 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
         assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
     assert ("SYNTHETIC" in proc.stdout) == synthetic
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
+    # the adaptive server's steps during a level, by kind, from its /metrics (present when the
+    # engine's metrics snapshot, taken every 0.1 s or on going idle, landed inside the level)
+    for lv in summary["results"]["adaptive7@0"]:
+        delta = lv["spec_decode"].get("metrics_delta")
+        if delta is not None:
+            kinds = delta["steps_by_kind"]
+            assert set(kinds) <= {"plain", "draft", "verify", "mixed"}
+            assert sum(kinds.values()) > 0
 
 
 def test_diag_step_paths_smoke(tmp_path):
