@@ -138,7 +138,7 @@ class SpecDecoder:
     # -- plan (host, stale confidences) --------------------------------------------------------
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
-        host confidences (no sync)."""
+        host confidences (no sync); every policy's step is counted by kind here."""
         rows = host.per_row()
         self._step_reqs = n = rows.shape[1]
         self._step_other = int(rows[2].sum()) - n  # prefill tokens (beyond one per row)
