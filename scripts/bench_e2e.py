@@ -203,7 +203,8 @@ def graph_status(log_path: str) -> dict:
         return {"captured": None, "failures": None}
     return {"captured": text.count("captured whole-step CUDA graph"),
             "failures": text.count("capture failed, per-phase path")
-            + text.count("CUDA graph capture failed: running eagerly")}  # fmt: skip
+            + text.count("CUDA graph capture failed: running eagerly")
+            + text.count("prefill CUDA graph capture failed")}  # fmt: skip
 
 
 def print_table(args, temps, results, checks, label) -> None:
