@@ -189,6 +189,29 @@ def test_async_scheduling_on_graphs_matches_synchronous_eager(ckpt_dir, temperat
     assert a == b
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_chunked_prefill_beside_decode_rows_on_prefill_graphs(ckpt_dir, tmp_path, speculative):
+    """Long prompts chunked 64 tokens at a time into steps that also carry decode (and verify)
+    rows replay the prefill graphs; tokens equal the eager engine's."""
+    path = ckpt_dir("qwen3_gqa2")
+    spec = None
+    if speculative:
+        spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=6),
+                "num_speculative_tokens": 4}
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 290 + 5 for j in range(n)]}
+               for i, n in enumerate((3, 70, 5, 130, 9, 95, 4))]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fast = CudaLLM(path, dtype="float32", max_num_batched_tokens=64, speculative_config=spec)
+    graphs = fast.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.buckets == [16, 32, 64]
+    a = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+    assert graphs.replays >= 5
+    fast.shutdown()
+    slow = CudaLLM(path, dtype="float32", max_num_batched_tokens=64, speculative_config=spec,
+                   enforce_eager=True)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in slow.generate(prompts, params)] == a
+
+
 @pytest.mark.parametrize("capture_trims", [False, True])
 def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_path, monkeypatch,
                                                                 capture_trims):  # fmt: skip
