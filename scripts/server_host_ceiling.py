@@ -36,7 +36,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True, loop: str = "asyncio", http: str = "h11"):
     import uvicorn
 
     from dspark import LLM
@@ -54,8 +54,8 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port,
-                            log_level="warning", access_log=False)  # fmt: skip
+    config = uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port, loop=loop,
+                            http=http, log_level="warning", access_log=False)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -85,6 +85,8 @@ def main() -> int:
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (default: Python's 5 ms)")
     ap.add_argument("--tokenless", action="store_true", help="no tokenizer (token-id chunks)")
+    ap.add_argument("--loop", default="asyncio", help="uvicorn event loop: asyncio | uvloop")
+    ap.add_argument("--http", default="h11", help="uvicorn HTTP implementation: h11 | httptools")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="no-spec engine schedules each step after the previous one")
     args = ap.parse_args()
@@ -93,7 +95,7 @@ def main() -> int:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     conc = [int(c) for c in args.concurrency.split(",")]
     server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms,
-                                       args.async_scheduling)  # fmt: skip
+                                       args.async_scheduling, args.loop, args.http)  # fmt: skip
     try:
         waits = server.config.app.state.engine.engine.runner.step_graphs.wait_overshoot_ms
         for c in conc:
@@ -103,7 +105,9 @@ def main() -> int:
             assert r["completed"] == c and r["itl_ms"]["p50"] is not None, r  # streamed
             late = (f", device-wait overshoot p50 {np.median(waits):.2f} / p90 "
                     f"{np.percentile(waits, 90):.2f} ms") if waits else ""
-            print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}, "
+            print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}"
+                  f"{'' if args.loop == 'asyncio' else ' ' + args.loop}"
+                  f"{'' if args.http == 'h11' else ' ' + args.http}, "
                   f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "
                   f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms"
                   f"{late}", flush=True)  # fmt: skip
