@@ -14,11 +14,10 @@ prefill block shape), for steps that mix prefill chunks with decode rows. Eager,
 such step pays the host's launches of every layer's kernels: on the H200 a mixed step of ~770
 tokens took 39-54 ms against a 13 ms graph decode step of the same rows (diag_adaptive
 --serving; the host launch cost is the inferred cause), and speculation makes these steps
-common in serving
-(requests finish at different steps, so new prompts arrive one or two at a time). Past the
-cap, a step's device time hides the launches. They share the decode graphs' memory pool and
-write into one output buffer of the largest bucket (a replay overwrites the previous one's
-hidden states, which the step consumed on the same stream before).
+common in serving (requests finish at different steps, so new prompts arrive one or two at a
+time). Past the cap, a step's device time hides the launches. They share the decode graphs'
+memory pool and write into one output buffer of the largest bucket (a replay overwrites the
+previous one's hidden states, which the step consumed on the same stream before).
 """
 
 from __future__ import annotations

@@ -138,11 +138,7 @@ class ServerMetrics:
         if not snap:
             return
         for key, counter in self.counters.items():
-            value = float(snap.get(key, 0) or 0)
-            delta = value - self._last.get(key, 0.0)
-            if delta > 0:
-                counter.inc(delta)
-            self._last[key] = max(value, self._last.get(key, 0.0))
+            self._grow(counter, key, snap.get(key, 0) or 0)
         self.running.set(snap.get("num_running", 0))
         self.waiting.set(snap.get("num_waiting", 0))
         self.kv_usage.set(snap.get("kv_usage", 0.0))
@@ -160,14 +156,19 @@ class ServerMetrics:
             self.mean_acceptance_length.set((snap.get("spec_accepted", 0) + steps) / steps)
         runtime = dict(snap.get("spec_runtime") or {})
         for kind, value in (runtime.get("step_counts") or {}).items():
-            key = f"steps:{kind}"
-            delta = float(value) - self._last.get(key, 0.0)
-            if delta > 0:
-                self.step_kinds.labels(kind=kind).inc(delta)
-            self._last[key] = max(float(value), self._last.get(key, 0.0))
+            self._grow(self.step_kinds.labels(kind=kind), f"steps:{kind}", value)
         if not snap.get("spec_enabled"):
             runtime.setdefault("cost_table_status", "disabled")
         self._update_runtime(runtime)
+
+    def _grow(self, counter, key: str, value) -> None:
+        """Advance `counter` by the growth of the engine's cumulative count `key` (a count
+        that went back, as after an engine restart, adds nothing)."""
+        value = float(value)
+        delta = value - self._last.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = max(value, self._last.get(key, 0.0))
 
     def _update_runtime(self, rt: dict) -> None:
         for gauge, key in ((self.budget, "budget"), (self.predicted_gain, "predicted_gain")):
