@@ -26,6 +26,7 @@ import httpx
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
 
 
 def arms(args) -> dict[str, dict | None]:
@@ -231,9 +232,10 @@ def print_table(args, temps, results, checks, label) -> None:
         kinds = [((r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {}).get("steps_by_kind") for r in results[(names[2], t)]["results"]]
         if any(kinds):  # what the adaptive server ran at each level
-            print(f"{names[2]} steps by kind (plain / draft / verify / mixed): " + ", ".join(
-                f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}" for x in (
-                    "plain", "draft", "verify", "mixed")) for lvl, k in zip(levels, kinds)))
+            print(f"{names[2]} steps by kind ({' / '.join(STEP_KINDS)}): " + ", ".join(
+                f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}"
+                                                          for x in STEP_KINDS)
+                for lvl, k in zip(levels, kinds)))  # fmt: skip
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip

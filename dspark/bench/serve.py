@@ -35,9 +35,8 @@ SPEC_COUNTERS = {
     "num_steps": "dspark_spec_num_steps_total",
 }
 SPEC_FIELDS = tuple(SPEC_COUNTERS)
-# steps by kind (speculative engines; a kind's series appears once it has counted a step)
-STEP_KIND_SERIES = {kind: f'dspark_spec_steps_total{{kind="{kind}"}}'
-                    for kind in ("plain", "draft", "verify", "mixed")}  # fmt: skip
+# a speculative server's steps by kind (a kind's series appears once it has counted a step)
+STEP_KIND_METRIC = "dspark_spec_steps_total"
 MAX_KEPT_ERRORS = 5
 
 
@@ -254,8 +253,7 @@ def spec_from_responses(outputs: list[RequestOutput]) -> dict | None:
 
 
 def parse_prometheus(text: str, names: set[str]) -> dict[str, float]:
-    """Sum of each wanted metric over all its label sets (Prometheus text format); a wanted
-    name written with its labels (`name{k="v"}`, as rendered) selects that series alone."""
+    """Sum of each wanted metric over all its label sets (Prometheus text format)."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -263,8 +261,6 @@ def parse_prometheus(text: str, names: set[str]) -> dict[str, float]:
             continue
         if "{" in line:
             name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
-            series = line[: line.rfind("}") + 1]
-            name = series if series in names else name
         else:
             name, _, rest = line.partition(" ")
         if name in names:
@@ -281,14 +277,30 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
         async with session.get(cfg.root_url + "/metrics", headers=cfg.headers()) as resp:
             if resp.status != 200:
                 return None
-            wanted = set(SPEC_COUNTERS.values()) | set(STEP_KIND_SERIES.values())
-            found = parse_prometheus(await resp.text(), wanted)
+            text = await resp.text()
+            found = parse_prometheus(text, set(SPEC_COUNTERS.values()))
     except Exception:  # noqa: BLE001 - metrics are optional
         return None
-    if not all(name in found for name in SPEC_COUNTERS.values()):
+    if len(found) != len(SPEC_COUNTERS):
         return None
+    kinds = series_by_label(text, STEP_KIND_METRIC, "kind")
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
-        f"steps:{kind}": found[name] for kind, name in STEP_KIND_SERIES.items() if name in found}
+        f"steps:{kind}": v for kind, v in kinds.items()}
+
+
+def series_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """The values of a metric's series keyed by one label's value, from series rendered as
+    `name{label="value"} number` (Prometheus text format)."""
+    prefix = f'{name}{{{label}="'
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            value, _, rest = line[len(prefix):].partition('"')
+            try:
+                found[value] = float(rest[rest.index("}") + 1 :].split()[0])
+            except (ValueError, IndexError):
+                continue
+    return found
 
 
 def spec_from_counters(before: dict | None, after: dict | None, num_requests: int) -> dict | None:
