@@ -143,8 +143,7 @@ class ModelRunner:
                 self.graphs = None
                 if self.spec is not None:
                     self.spec.draft_graphs = None
-            if (self.graphs is not None and self.tp.size == 1
-                    and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0"):  # fmt: skip
+            if self.graphs is not None and self._wants_prefill_graphs():
                 from dspark.engine.cuda_graph import capture_prefill_graphs
 
                 self.prefill_graphs = capture_prefill_graphs(self, self.graphs)
@@ -218,6 +217,12 @@ class ModelRunner:
             per += self.spec.drafter.kv_cache_bytes_per_block(self.block_size)
         return per
 
+    def _wants_prefill_graphs(self) -> bool:
+        """Whether prefill CUDA graphs are to be captured (their pool is reserved first)."""
+        return (self.device.type == "cuda" and self.backend.name == "triton"
+                and not self.config.enforce_eager and self.tp.size == 1
+                and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0")  # fmt: skip
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -228,7 +233,7 @@ class ModelRunner:
             tokens = self.config.max_num_batched_tokens
             act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
             act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
-            if not self.config.enforce_eager:  # the prefill graphs' pool stays allocated
+            if self._wants_prefill_graphs():  # their memory pool stays allocated
                 from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS
 
                 act += min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
