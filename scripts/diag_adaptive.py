@@ -150,35 +150,36 @@ def table_view(spec, conc: int) -> list[str]:
 
 
 def measure(llm, args, conc: int) -> tuple[list[str], dict]:
+    """One measured pass after a warm-up: all `conc` requests at once, or (--serving) as
+    `bench serve` drives a server (see serve_pass)."""
     from dspark import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
     log = StepLog(llm.engine)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts(conc, args.prompt_len, 2), params, use_tqdm=False)
+    if args.serving:
+        toks, what = serve_pass(llm.engine, args, conc, params)
+    else:
+        outs = llm.generate(prompts(conc, args.prompt_len, 2), params, use_tqdm=False)
+        toks, what = sum(len(o.outputs[0].token_ids) for o in outs), "with prefill"
     wall = time.perf_counter() - t0
     log.restore()
     spec = llm.engine.runner.spec
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, with prefill)"]
+    lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, {what})"]
     lines += summarize(log.records, spec)
-    if spec is not None and spec.cost is not None:
+    if args.serving and spec is not None:
+        lines.append(f"  learned fixed terms by batch-size bucket: {spec.fixed_costs._ema}")
+    elif spec is not None and spec.cost is not None:
         lines += table_view(spec, conc)
     return lines, {"tok_s": toks / wall, "records": log.records}
 
 
-def measure_serving(llm, args, conc: int) -> tuple[list[str], dict]:
-    """As `dspark bench serve --max-concurrency conc` drives a server: `conc` requests in
-    flight, a new one added as soon as one finishes, 2 x conc in all (prefill chunks then land
-    in most decode steps, as they do in serving)."""
-    from dspark import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
-    engine, todo = llm.engine, prompts(2 * conc, args.prompt_len, 2)
-    log = StepLog(engine)
-    t0, toks, added = time.perf_counter(), 0, conc
+def serve_pass(engine, args, conc: int, params) -> tuple[int, str]:
+    """`conc` requests in flight, a new one added as soon as one finishes, 2 x conc in all
+    (prefill chunks then land in many decode steps, as they do in serving). Returns (output
+    tokens, a description)."""
+    todo, toks, added = prompts(2 * conc, args.prompt_len, 2), 0, conc
     for i in range(conc):
         engine.add_request(f"serve-{i}", todo[i], params)
     while engine.has_unfinished_requests():
@@ -188,15 +189,7 @@ def measure_serving(llm, args, conc: int) -> tuple[list[str], dict]:
                 if added < len(todo):
                     engine.add_request(f"serve-{added}", todo[added], params)
                     added += 1
-    wall = time.perf_counter() - t0
-    log.restore()
-    spec = engine.runner.spec
-    lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, {2 * conc} requests,"
-             f" {conc} in flight)"]
-    lines += summarize(log.records, spec)
-    if spec is not None:
-        lines.append(f"  learned fixed terms by batch-size bucket: {spec.fixed_costs._ema}")
-    return lines, {"tok_s": toks / wall, "records": log.records}
+    return toks, f"{2 * conc} requests, {conc} in flight"
 
 
 def drafter_table(runner, conc: int) -> str:
@@ -270,7 +263,7 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
              max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
              max_num_batched_tokens=args.max_num_batched_tokens, **extra) as llm:  # fmt: skip
         for conc in levels:
-            lines, data = (measure_serving if args.serving else measure)(llm, args, conc)
+            lines, data = measure(llm, args, conc)
             title = f"### {arm} at concurrency {conc}"
             if spec_cfg is not None and args.synthetic_rates:
                 title += " (SYNTHETIC acceptance)"
