@@ -22,7 +22,7 @@ from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_com
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
 from dspark.spec.host_copy import LandedCopies
-from dspark.spec.online_cost import FixedCosts
+from dspark.spec.online_cost import FixedCosts, size_bucket
 from dspark.spec.planner import Planner, decode_rate, drafting_pays, mean_survival
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 _PROBE_ROWS = 8  # ... for this many rows of the step
 _DECIDE_EVERY = 8  # steps between drafting decisions (sooner when the batch size moves)
+# while drafting, plain steps are measured by a probe of this many planned steps without
+# drafting (the first still verifies; with async scheduling two of the others are observed)
+_PLAIN_PROBE_STEPS = 4
+_PLAIN_PROBE_EVERY = 512  # ... at most once per this many planned steps and batch-size bucket
 
 
 class SpecDecoder:
@@ -88,6 +92,9 @@ class SpecDecoder:
         self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
         self._skipped = 0  # consecutive steps that skipped drafting
         self._pays, self._since_decision, self._decided_reqs = True, 0, 0
+        self._plans = 0  # lagged plans so far
+        self._plain_probe_left = 0  # planned steps of the plain probe still to come
+        self._plain_probed: dict[int, int] = {}  # batch-size bucket -> plan of its last probe
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -187,9 +194,18 @@ class SpecDecoder:
             if decide:  # the survival estimate feeds the decision only
                 self._update_survival(self._stale(slots)[caps > 0])
         self.last_budget = budget
+        self._plans += 1
         if decide:  # on decode steps' economics (prefill chunks come and go)
             self._pays = self._drafting_pays(n_sampling)
             self._since_decision, self._decided_reqs = 0, n
+        if self._plain_probe_due(n_sampling, other):
+            self._plain_probe_left = _PLAIN_PROBE_STEPS
+        if self._plain_probe_left > 0:  # plain decoding for a few steps (lossless)
+            self._plain_probe_left -= 1
+            if self._plain_probe_left == 0:
+                self._since_decision = _DECIDE_EVERY  # decide again on the measured term
+            self.draft_enabled = self.probing = False
+            return budget
         # while skipping, draft once in a while anyway so the survival estimate stays fresh
         self._skipped = 0 if self._pays else self._skipped + 1
         self.draft_enabled = self._pays or self._skipped % _PROBE_EVERY == 0
@@ -214,6 +230,28 @@ class SpecDecoder:
         return drafting_pays(self.cost, self._survival[: self.k], num_sampling,
                              self.fixed_costs.get("plain", num_sampling),
                              self.sc.min_predicted_gain)  # fmt: skip
+
+    def _plain_probe_due(self, num_sampling: int, prefill_tokens: int) -> bool:
+        """Whether to measure plain steps of this batch size before drafting on: the decision
+        prices plain decoding with their measured fixed cost, and while every step drafts
+        none is measured. Its stand-in, the speculative steps' term, also holds the drafter's
+        and verification's host work, so plain decoding looks dearer than it is and drafting
+        never stops where it loses (measured on the H200: trained pair, T = 1, c = 1, no
+        speculation 24% faster). Only on decode steps (steps with prefill chunks are not
+        observed), at most once per _PLAIN_PROBE_EVERY plans and bucket."""
+        if (not self._pays or self._plain_probe_left > 0 or prefill_tokens > 0
+                or not self._online_cost or not self.sc.draft_skipping
+                or self._survival is None or num_sampling == 0
+                or self.tensor_parallel_size > 1):  # fmt: skip
+            return False
+        bucket = size_bucket(num_sampling)
+        last = self._plain_probed.get(bucket)
+        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
+            self.fixed_costs.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
+        ):
+            return False
+        self._plain_probed[bucket] = self._plans
+        return True
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never

@@ -8,7 +8,9 @@ average, one per kind of step and per batch-size bucket (request counts 1, 2-3, 
 
   spec   speculative steps that verify every draft (one whole-step graph where available):
          the table's `fixed_overhead_ms`, the term every candidate pays;
-  plain  steps without speculation (drafting skipped): the baseline drafting must beat;
+  plain  steps without speculation (drafting skipped): the baseline drafting must beat
+         (while every step drafts, the decoder runs a few plain steps now and then to
+         measure it: SpecDecoder._plain_probe_due);
   eager  speculative steps on the eager path, when whole-step graphs exist: a trimmed plan
          pays its excess over `spec` (`trim_penalty_ms`).
 One shared term would make whichever kind is cheaper look dearer and the other cheaper; one
@@ -22,6 +24,8 @@ is the table's error at thousands of tokens, not a decode step's fixed cost.
 """
 
 from __future__ import annotations
+
+import math
 
 WARMUP_STEPS = 3  # first steps compile kernels and fill caches: not representative
 ALPHA = 0.1  # EMA weight of the newest residual
@@ -37,6 +41,7 @@ class FixedCosts:
     def __init__(self) -> None:
         self.steps = 0
         self._ema: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+        self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
 
     def observe(self, kind: str, residual_ms: float, num_reqs: int) -> None:
         """Fold one step's residual into its kind's and batch size's average (the first
@@ -48,6 +53,13 @@ class FixedCosts:
         b = size_bucket(num_reqs)
         prev = table.get(b)
         table[b] = residual_ms if prev is None else (1 - ALPHA) * prev + ALPHA * residual_ms
+        self._last[kind][b] = self.steps
+
+    def age(self, kind: str, num_reqs: int) -> float:
+        """Observed steps since this kind was last measured at this very batch-size bucket
+        (inf: never; `get` would answer with a neighbour's term)."""
+        last = self._last[kind].get(size_bucket(num_reqs))
+        return math.inf if last is None else self.steps - last
 
     def get(self, kind: str, num_reqs: int) -> float | None:
         """The learned term of a kind at this batch size: its bucket's, else the nearest

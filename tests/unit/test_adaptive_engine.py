@@ -333,6 +333,56 @@ def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
     assert st.num_accepted_tokens > 2 * st.num_steps  # long accepted runs, drafting kept on
 
 
+@pytest.mark.parametrize("probe", [True, False])
+def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch, probe):
+    """While every step drafts, no plain step is measured and the drafting decision prices
+    plain decoding with the speculative steps' fixed term, which also holds what only
+    speculation pays. A short plain probe measures it: here speculative steps pay 4 ms of
+    fixed cost and plain ones 0.2 ms, so drafting stops once plain steps are measured, and
+    never without the probe."""
+    from pathlib import Path
+
+    import dspark.spec.decoder as decoder_mod
+
+    if not probe:
+        monkeypatch.setattr(decoder_mod, "_PLAIN_PROBE_STEPS", 0)
+    full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(full) / "config.json").read_text())
+    cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.6] * 4}
+    llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    table = CostModel.from_measurements([1, 64], [1.0, 1.5], [1, 64], [0.5, 0.5],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    spec.set_cost_model(table, "profiled at start-up")
+    assert spec._online_cost
+    observe, kinds = spec.observe_step_time, []
+
+    def steps_as_priced(step_ms, num_tokens, num_reqs, tag):
+        # the step's time as the test's device would take it (this CPU's are noise here)
+        if tag is not None:
+            kinds.append(tag[0])
+            fixed = 0.2 if tag[0] == "plain" else 4.0
+            step_ms = float(spec.cost.verify_cost_ms(num_tokens)) + tag[1] + fixed
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    spec.observe_step_time = steps_as_priced
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    if probe:
+        # measured: plain steps at this batch size, at their true fixed cost; drafting off
+        assert spec.fixed_costs.get("plain", len(PROMPTS)) == pytest.approx(0.2, abs=1e-6)
+        assert spec.metrics()["drafting"] is False
+        first_plain = kinds.index("plain")
+        assert "spec" in kinds[:first_plain]  # it drafted before it measured plain steps
+    else:  # plain steps never measured: the speculative term stands in and drafting goes on
+        assert "plain" not in kinds
+        assert spec.metrics()["drafting"] is True
+        assert llm.engine.spec_stats.num_steps > 60
+
+
 def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
     """With whole-step graphs, speculative steps on the eager path (trimmed plans) pay more
     host work than graph replays; that excess is learned apart and becomes the planner's
