@@ -131,7 +131,7 @@ def table_view(spec, conc: int) -> list[str]:
     cost = spec.cost
     if cost is None:
         return ["  (no cost table)"]
-    surv = spec._survival
+    surv = spec.drafting.survival
     plain_fixed = spec.fixed_costs.get("plain", conc)
     spec.fixed_costs.apply(cost, conc)  # the speculative term at this batch size
     fixed = cost.fixed_overhead_ms

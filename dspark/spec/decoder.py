@@ -21,23 +21,15 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
+from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
-from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.planner import Planner, decode_rate, drafting_pays, mean_survival
+from dspark.spec.online_cost import FixedCosts
+from dspark.spec.planner import Planner, decode_rate
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
-
-_PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
-_PROBE_ROWS = 8  # ... for this many rows of the step
-_DECIDE_EVERY = 8  # steps between drafting decisions (sooner when the batch size moves)
-# while drafting, plain steps are measured by a probe of this many planned steps without
-# drafting (the first still verifies; with async scheduling two of the others are observed)
-_PLAIN_PROBE_STEPS = 4
-_PLAIN_PROBE_EVERY = 512  # ... at most once per this many planned steps and batch-size bucket
-
 
 class SpecDecoder:
     def __init__(
@@ -86,15 +78,11 @@ class SpecDecoder:
             self.planner = Planner(self._policy, threshold=sc.confidence_threshold)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.last_budget: int | None = None
-        # draft-skipping (lagged policy): whether this step proposes drafts for the next one
+        # draft skipping (lagged policy): whether this step proposes drafts for the next one
+        self.drafting = DraftingDecision(self.k, sc.min_predicted_gain,
+                                         sc.draft_skipping and self.tensor_parallel_size == 1)
         self.draft_enabled = True
-        self.probing = False
-        self._survival: np.ndarray | None = None  # EMA of mean stale prefix survival [K]
-        self._skipped = 0  # consecutive steps that skipped drafting
-        self._pays, self._since_decision, self._decided_reqs = True, 0, 0
-        self._plans = 0  # lagged plans so far
-        self._plain_probe_left = 0  # planned steps of the plain probe still to come
-        self._plain_probed: dict[int, int] = {}  # batch-size bucket -> plan of its last probe
+        self.probing = False  # a draft probe while skipping: a few rows only (drafts_row)
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -172,11 +160,7 @@ class SpecDecoder:
         samples, caps, slots = rows[0], rows[1], rows[4]
         n, other = caps.size, self._step_other
         n_sampling = int(np.count_nonzero(samples))
-        # the drafting decision moves slowly: take it every few steps, or at once when the
-        # batch size changed by a quarter
-        self._since_decision += 1
-        decide = (self._since_decision >= _DECIDE_EVERY or abs(n - self._decided_reqs) * 4 > n
-                  or self._survival is None)  # no estimate yet: decide again once there is
+        decide = self.drafting.due(n)  # (every few steps, or when the batch size moves)
         budget = 0
         if caps.any():
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
@@ -186,72 +170,19 @@ class SpecDecoder:
             penalty = (self.fixed_costs.trim_penalty_ms(self.cost.fixed_overhead_ms, n)
                        if eager_trim else 0.0)  # fmt: skip
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
-            rate = None if other == 0 else decode_rate(
-                self.cost, self._survival, n_sampling, self.fixed_costs.get("plain", n_sampling))
+            rate = None
+            if other > 0:
+                rate = decode_rate(self.cost, self.drafting.survival, n_sampling,
+                                   self.fixed_costs.get("plain", n_sampling))
             # confidences are read only when needed (at low load, a bound settles the plan)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
                                            penalty, rate)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only
-                self._update_survival(self._stale(slots)[caps > 0])
+                self.drafting.update_survival(self._stale(slots)[caps > 0])
         self.last_budget = budget
-        self._plans += 1
-        if decide:  # on decode steps' economics (prefill chunks come and go)
-            self._pays = self._drafting_pays(n_sampling)
-            self._since_decision, self._decided_reqs = 0, n
-        if self._plain_probe_due(n_sampling, other):
-            self._plain_probe_left = _PLAIN_PROBE_STEPS
-        if self._plain_probe_left > 0:  # plain decoding for a few steps (lossless)
-            self._plain_probe_left -= 1
-            if self._plain_probe_left == 0:
-                self._since_decision = _DECIDE_EVERY  # decide again on the measured term
-            self.draft_enabled = self.probing = False
-            return budget
-        # while skipping, draft once in a while anyway so the survival estimate stays fresh
-        self._skipped = 0 if self._pays else self._skipped + 1
-        self.draft_enabled = self._pays or self._skipped % _PROBE_EVERY == 0
-        self.probing = not self._pays  # a probe drafts for a few rows only (see drafts_row)
+        self.draft_enabled, self.probing = self.drafting.after_plan(
+            decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         return budget
-
-    def _update_survival(self, stale: np.ndarray) -> None:
-        """EMA (over decision steps) of the mean prefix survival per position over the rows
-        with drafts."""
-        survival = mean_survival(stale)  # (unknown confidences: 1.0)
-        prev = self._survival
-        self._survival = survival if prev is None else 0.2 * survival + 0.8 * prev
-
-    def _drafting_pays(self, num_sampling: int) -> bool:
-        """Draft after this step only if some verify length beats plain decoding once the
-        drafter's own (untrimmable) cost is paid. Decided from stale, aggregate survival (never
-        from the drafts it gates), so skipping drafting is lossless; when load falls the same
-        comparison turns drafting back on. Judged for a decode step of the sampling requests."""
-        if (not self.sc.draft_skipping or self._survival is None or num_sampling == 0
-                or self.tensor_parallel_size > 1):  # TP: ranks must agree; not broadcast (yet)
-            return True
-        return drafting_pays(self.cost, self._survival[: self.k], num_sampling,
-                             self.fixed_costs.get("plain", num_sampling),
-                             self.sc.min_predicted_gain)  # fmt: skip
-
-    def _plain_probe_due(self, num_sampling: int, prefill_tokens: int) -> bool:
-        """Whether to measure plain steps of this batch size before drafting on: the decision
-        prices plain decoding with their measured fixed cost, and while every step drafts
-        none is measured. Its stand-in, the speculative steps' term, also holds the drafter's
-        and verification's host work, so plain decoding looks dearer than it is and drafting
-        never stops where it loses (measured on the H200: trained pair, T = 1, c = 1, no
-        speculation 24% faster). Only on decode steps (steps with prefill chunks are not
-        observed), at most once per _PLAIN_PROBE_EVERY plans and bucket."""
-        if (not self._pays or self._plain_probe_left > 0 or prefill_tokens > 0
-                or not self._online_cost or not self.sc.draft_skipping
-                or self._survival is None or num_sampling == 0
-                or self.tensor_parallel_size > 1):  # fmt: skip
-            return False
-        bucket = size_bucket(num_sampling)
-        last = self._plain_probed.get(bucket)
-        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
-            self.fixed_costs.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
-        ):
-            return False
-        self._plain_probed[bucket] = self._plans
-        return True
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never
@@ -352,7 +283,7 @@ class SpecDecoder:
         if not self.draft_enabled:
             return  # context still written: drafting can resume at any later step
         # a probe refreshes the survival estimate on a few rows, not the whole batch
-        rows = slice(0, _PROBE_ROWS) if self.probing else slice(None)
+        rows = slice(0, PROBE_ROWS) if self.probing else slice(None)
         anchors, anchor_pos = next_anchors(inp.anchor_pos[rows], out[rows], num_out[rows])
         self.draft(anchors, anchor_pos, inp.block_tables[rows], inp.temperature[rows],
                    inp.seeds[rows], inp.rounds[rows] + 1, inp.slots[rows],
@@ -397,7 +328,7 @@ class SpecDecoder:
 
     def drafts_row(self, i: int) -> bool:
         """Whether row i of the step just run has drafts for the next step."""
-        return self.draft_enabled and (not self.probing or i < _PROBE_ROWS)
+        return self.draft_enabled and (not self.probing or i < PROBE_ROWS)
 
     def _copy_conf_to_host(self) -> None:
         self.host_confs.push(self.conf)

@@ -10,7 +10,7 @@ average, one per kind of step and per batch-size bucket (request counts 1, 2-3, 
          the table's `fixed_overhead_ms`, the term every candidate pays;
   plain  steps without speculation (drafting skipped): the baseline drafting must beat
          (while every step drafts, the decoder runs a few plain steps now and then to
-         measure it: SpecDecoder._plain_probe_due);
+         measure it: drafting.py);
   eager  speculative steps on the eager path, when whole-step graphs exist: a trimmed plan
          pays its excess over `spec` (`trim_penalty_ms`).
 One shared term would make whichever kind is cheaper look dearer and the other cheaper; one

@@ -170,13 +170,6 @@ def decode_rates(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
     return plain, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max())
 
 
-def drafting_pays(cost: CostModel, survival: np.ndarray, num_reqs: int,
-                  plain_fixed_ms: float | None, min_predicted_gain: float) -> bool:
-    """Whether some verify length beats plain decoding (decode_rates) by the guard margin."""
-    plain, spec = decode_rates(cost, survival, num_reqs, plain_fixed_ms)
-    return spec > plain * (1.0 + min_predicted_gain)
-
-
 def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
                 plain_fixed_ms: float | None) -> float:
     """Tokens per ms of the best decode-only step (decode_rates): what a draft's marginal

@@ -218,10 +218,10 @@ def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_pa
     """A lagged engine skipping drafts schedules ahead; trimmed-step graphs are captured at
     start-up (DSPARK_CAPTURE_TRIMS=0: on first use): tokens equal one-at-a-time eager steps.
     Two tables: drafting skipped (probes every 4 steps) and drafting with trims."""
-    import dspark.spec.decoder as decoder_mod
+    import dspark.spec.drafting as drafting_mod
     from dspark.spec.cost_model import CostModel
 
-    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
     path = ckpt_dir("qwen3_gqa2")
     drafter = make_tiny_drafter(str(tmp_path / "d"), path, seed=6)
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))}

@@ -224,7 +224,7 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     cost = spec.cost
     from dspark.spec.online_cost import size_bucket
 
-    spec._survival = np.full(5, 0.5)
+    spec.drafting.survival = np.full(5, 0.5)
     tokens, reqs = 8, 8
 
     def feed(drafting: bool, fixed_ms: float, n: int = 120, num_reqs: int = reqs) -> None:
@@ -254,10 +254,10 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     # drafting pays; with them cheap, it does not
     verify_base = cost.verify_lookup(reqs)
     spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 1e3
-    assert spec._drafting_pays(reqs)
+    assert spec.drafting._pays(cost, spec.fixed_costs, reqs)
     spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 0.0
     cost.fixed_overhead_ms = 1e3 + verify_base
-    assert not spec._drafting_pays(reqs)
+    assert not spec.drafting._pays(cost, spec.fixed_costs, reqs)
 
 
 def test_no_online_correction_for_tables_from_elsewhere(tiny_qwen, drafter, tmp_path):
@@ -289,9 +289,9 @@ def test_probes_while_skipping_draft_for_a_few_rows(tiny_qwen, drafter, monkeypa
     """While drafting is skipped, a probe every few steps drafts for at most 8 rows of the
     batch (enough to refresh an aggregate survival estimate) instead of all of them; the
     output stays the plain decoding output."""
-    import dspark.spec.decoder as decoder_mod
+    import dspark.spec.drafting as drafting_mod
 
-    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
     path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
                   fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
     prompts = [list(range(5 + i, 12 + i)) for i in range(12)]
@@ -334,7 +334,7 @@ def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
 
 
 @pytest.mark.parametrize("probe", [True, False])
-def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch, probe):
+def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch, caplog, probe):
     """While every step drafts, no plain step is measured and the drafting decision prices
     plain decoding with the speculative steps' fixed term, which also holds what only
     speculation pays. A short plain probe measures it: here speculative steps pay 4 ms of
@@ -342,10 +342,10 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch,
     never without the probe."""
     from pathlib import Path
 
-    import dspark.spec.decoder as decoder_mod
+    import dspark.spec.drafting as drafting_mod
 
     if not probe:
-        monkeypatch.setattr(decoder_mod, "_PLAIN_PROBE_STEPS", 0)
+        monkeypatch.setattr(drafting_mod, "_PLAIN_PROBE_STEPS", 0)
     full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -370,15 +370,20 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch,
 
     spec.observe_step_time = steps_as_priced
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    with caplog.at_level(logging.INFO, logger="dspark.spec.drafting"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    flips = [r.getMessage() for r in caplog.records if "drafting o" in r.getMessage()]
     if probe:
         # measured: plain steps at this batch size, at their true fixed cost; drafting off
         assert spec.fixed_costs.get("plain", len(PROMPTS)) == pytest.approx(0.2, abs=1e-6)
         assert spec.metrics()["drafting"] is False
+        # the flip is logged with the numbers it was decided on
+        assert flips and flips[0].startswith("adaptive verification: drafting off at ")
+        assert "plain 0.200 ms (measured at this batch size)" in flips[0]
         first_plain = kinds.index("plain")
         assert "spec" in kinds[:first_plain]  # it drafted before it measured plain steps
     else:  # plain steps never measured: the speculative term stands in and drafting goes on
-        assert "plain" not in kinds
+        assert "plain" not in kinds and not flips
         assert spec.metrics()["drafting"] is True
         assert llm.engine.spec_stats.num_steps > 60
 

@@ -145,10 +145,10 @@ def _lagged_spec(drafter, tmp_path, table: str) -> dict:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_speculative_engine_schedules_ahead_only_after_plain_steps(
         tiny_qwen, drafter, tmp_path, monkeypatch, table, graphs):  # fmt: skip
-    import dspark.spec.decoder as decoder_mod
+    import dspark.spec.drafting as drafting_mod
     from dspark.engine.llm_engine import LLMEngine
 
-    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
     spec = _lagged_spec(drafter, tmp_path, table)
     ref, sync_eng = _run(tiny_qwen, False, 1.0, graphs, speculative_config=spec)
     commits = []  # (scheduled ahead, verified drafts) per committed step

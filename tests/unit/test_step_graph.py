@@ -205,10 +205,10 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
     a probe (drafts for a few rows: the eager path) every 4 steps; costly_tokens: verification
     is trimmed (eager path) in some steps and verifies everything (graph path) in others
     (synthetic acceptance, so that drafting pays)."""
-    import dspark.spec.decoder as decoder_mod
+    import dspark.spec.drafting as drafting_mod
     from dspark.spec.cost_model import CostModel
 
-    monkeypatch.setattr(decoder_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
     kw = dict(weight_read_ms=1.0, ms_per_token=0.001, draft_base_ms=20.0, draft_ms_per_req=0.0)
     spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
             "draft_sample_method": "probabilistic"}  # fmt: skip

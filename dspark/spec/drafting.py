@@ -1,0 +1,137 @@
+"""Whether a step drafts (the lagged policy's draft skipping).
+
+Drafting has a cost no trimming removes (the drafter's pass), so at high load or low acceptance
+plain decoding can win. Every few steps the decision compares the best decode-only step with
+drafts (every request verifying l drafts of the mean stale prefix survival, its drafter paid)
+against plain decoding, each priced by the cost table with its own fixed term learned online
+(online_cost.py). It reads only stale, aggregate survival, never the drafts it gates, so a
+skipped round is plain decoding and the output is unchanged (lossless).
+
+Two kinds of probe keep both sides of the comparison measured:
+  draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
+                _PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
+  plain probe   while drafting, a batch size whose plain steps were not measured lately gets
+                _PLAIN_PROBE_STEPS steps without drafting. Without it plain decoding is priced
+                with the speculative steps' fixed term, which also holds the drafter's and
+                verification's host work: it looks dearer than it is and drafting never stops
+                where it loses (H200, trained pair, T = 1, c = 1: no speculation 24% faster).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from dspark.spec.online_cost import FixedCosts, size_bucket
+from dspark.spec.planner import decode_rates, mean_survival
+
+logger = logging.getLogger(__name__)
+
+_DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter)
+_PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
+PROBE_ROWS = 8  # ... for this many rows of the step
+# planned steps of a plain probe: the first still verifies the drafts before it; with async
+# scheduling two of the others are observed (a step left in flight is observed by the next call)
+_PLAIN_PROBE_STEPS = 4
+_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
+_FLIP_LOG_EVERY_S = 10.0  # drafting turned on / off: logged at INFO at most this often
+
+
+class DraftingDecision:
+    def __init__(self, k: int, min_predicted_gain: float, enabled: bool):
+        self.k = k
+        self.min_predicted_gain = min_predicted_gain
+        self.enabled = enabled  # draft skipping on (off: every step drafts)
+        self.survival: np.ndarray | None = None  # EMA of the mean stale prefix survival [K]
+        self.pays = True
+        self._since_decision, self._decided_reqs = 0, 0
+        self._skipped = 0  # consecutive steps that skipped drafting
+        self._plans = 0
+        self._plain_probe_left = 0  # steps of the plain probe still to come
+        self._plain_probed: dict[int, int] = {}  # batch-size bucket -> plan of its last probe
+        self._flip_logged = -math.inf
+
+    def due(self, num_reqs: int) -> bool:
+        """Whether this step decides again (call once per planned step)."""
+        self._since_decision += 1
+        return (self._since_decision >= _DECIDE_EVERY or self.survival is None
+                or abs(num_reqs - self._decided_reqs) * 4 > num_reqs)  # fmt: skip
+
+    def update_survival(self, stale: np.ndarray) -> None:
+        """Fold the rows with drafts' stale confidences into the survival estimate (EMA over
+        decision steps; unknown confidences count as 1)."""
+        survival = mean_survival(stale)
+        if survival is not None:
+            prev = self.survival
+            self.survival = survival if prev is None else 0.2 * survival + 0.8 * prev
+
+    def after_plan(self, decide: bool, cost, fixed: FixedCosts, online: bool, num_reqs: int,
+                   num_sampling: int, prefill_tokens: int) -> tuple[bool, bool]:  # fmt: skip
+        """(whether this step drafts, whether that is a draft probe: a few rows only).
+        `online`: the fixed terms are learned from this engine's steps (plain probes can
+        measure them)."""
+        self._plans += 1
+        if decide:  # on decode steps' economics (prefill chunks come and go)
+            self.pays = self._pays(cost, fixed, num_sampling)
+            self._since_decision, self._decided_reqs = 0, num_reqs
+        if online and self._plain_probe_due(fixed, num_sampling, prefill_tokens):
+            self._plain_probe_left = _PLAIN_PROBE_STEPS
+        if self._plain_probe_left > 0:
+            self._plain_probe_left -= 1
+            if self._plain_probe_left == 0:
+                self._since_decision = _DECIDE_EVERY  # decide again on the measured term
+            return False, False
+        self._skipped = 0 if self.pays else self._skipped + 1
+        return self.pays or self._skipped % _PROBE_EVERY == 0, not self.pays
+
+    def _pays(self, cost, fixed: FixedCosts, num_sampling: int) -> bool:
+        """Draft only if some verify length beats plain decoding by the guard margin once the
+        drafter's own cost is paid. Judged for a decode step of the sampling requests."""
+        if not self.enabled or self.survival is None or num_sampling == 0:
+            return True
+        survival = self.survival[: self.k]
+        plain_fixed = fixed.get("plain", num_sampling)
+        plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
+        pays = spec > plain * (1.0 + self.min_predicted_gain)
+        if pays != self.pays:
+            self._log_flip(pays, num_sampling, spec, plain, cost.fixed_overhead_ms,
+                           plain_fixed, fixed.age("plain", num_sampling) < math.inf)  # fmt: skip
+        return pays
+
+    def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
+        """While drafting pays: plain steps at this batch size not measured lately. Only on
+        decode steps (steps with prefill chunks are not observed), at most once per
+        _PLAIN_PROBE_EVERY plans and bucket."""
+        if (not self.enabled or not self.pays or self._plain_probe_left > 0
+                or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
+            return False
+        bucket = size_bucket(num_sampling)
+        last = self._plain_probed.get(bucket)
+        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
+            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
+        ):
+            return False
+        self._plain_probed[bucket] = self._plans
+        return True
+
+    def _log_flip(self, pays: bool, num_sampling: int, spec_rate: float, plain_rate: float,
+                  spec_fixed: float, plain_fixed: float | None, measured_here: bool) -> None:
+        """Say on which numbers drafting turned on or off (INFO at most every 10 s)."""
+        now = time.monotonic()
+        quiet = now - self._flip_logged < _FLIP_LOG_EVERY_S
+        if not quiet:
+            self._flip_logged = now
+        if plain_fixed is None:
+            plain = "unmeasured (the speculative term stands in)"
+        else:
+            where = "measured at this batch size" if measured_here else "another batch size's"
+            plain = f"{plain_fixed:.3f} ms ({where})"
+        logger.log(logging.DEBUG if quiet else logging.INFO,
+                   "adaptive verification: drafting %s at %d requests: best verify length "
+                   "%.3f tok/ms vs plain decoding %.3f tok/ms; fixed terms: speculative %.3f ms, "
+                   "plain %s; mean survival %s", "on" if pays else "off", num_sampling,
+                   spec_rate, plain_rate, spec_fixed, plain,
+                   [round(float(s), 2) for s in self.survival[: self.k]])  # fmt: skip
