@@ -9,7 +9,7 @@ skipped round is plain decoding and the output is unchanged (lossless).
 
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
-                _PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
+                PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
   plain probe   while drafting, a batch size whose plain steps were not measured lately gets
                 _PLAIN_PROBE_STEPS steps without drafting. Without it plain decoding is priced
                 with the speculative steps' fixed term, which also holds the drafter's and
