@@ -79,7 +79,7 @@ def stub_device_work(runner, prefill: bool = False, device_ms: float = 0.0) -> S
         runner.spec.graph_steps = runner.spec.graph_trims = True
 
     def fixed_answer(key):  # packed outputs: tokens, emitted, verified
-        rows, width = key[1], sg.width(key[0])
+        rows, width = key[1], sg.width(key)
         emitted = 1 if width == 1 else 3
         return torch.cat([torch.full((rows * width,), 7), torch.full((rows,), emitted),
                           torch.full((rows,), sg.k if width > 1 else 0)])  # fmt: skip

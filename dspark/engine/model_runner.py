@@ -271,7 +271,7 @@ class ModelRunner:
             except CaptureFailed:
                 pass  # logged; the step runs on the per-phase path below
             else:
-                width = self.step_graphs.width(key[0])
+                width = self.step_graphs.width(key)
                 # the cost model's input: the packed count would price a trimmed step as
                 # verify-all (its learned fixed term then went far negative on the H200)
                 num_tokens = host.forward_tokens(plan)

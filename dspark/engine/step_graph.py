@@ -163,7 +163,7 @@ class StepGraphs:
             self.spec.ran_as_graph = True
         packed = self._replay(key, lambda: self._step(key))
         self._parity = 1 - i  # (only once the step is queued: a failed capture keeps it)
-        host_out = self.host_outs[i][: rb * (self.width(family) + 2)]
+        host_out = self.host_outs[i][: rb * (self.width(key) + 2)]
         host_out.copy_(packed, non_blocking=True)
         done = self._outputs_copied[i]  # re-recorded every other step
         if done is not None:
@@ -185,11 +185,12 @@ class StepGraphs:
 
         return wait
 
-    def width(self, family: str) -> int:
-        """Tokens per row in the packed outputs: K+1 when verifying (synthetic acceptance
-        verifies even without drafts), else 1."""
+    def width(self, key: tuple) -> int:
+        """Tokens per row in the packed outputs: 1 for plain steps, which sample plainly
+        (with synthetic acceptance only greedy ones do: SpecDecoder._verify), else K+1."""
         synthetic = self.spec is not None and self.spec.synthetic_rates is not None
-        return self.k + 1 if family != "plain" or synthetic else 1
+        plain = key[0] == "plain" and (not synthetic or key[2] == "greedy")
+        return 1 if plain else self.k + 1
 
     def _scratch(self) -> int:
         return self.spec.scratch_slot if self.spec is not None else self.runner.scratch_slot

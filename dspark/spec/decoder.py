@@ -228,9 +228,11 @@ class SpecDecoder:
 
     def _verify(self, logits: torch.Tensor, inp: StepInputs):
         slots = inp.slots
-        if self._no_drafts and self.synthetic_rates is None:
+        if self._no_drafts and (self.synthetic_rates is None or inp.all_greedy):
             # nothing to verify (drafting skipped, or a zero budget): plain sampling draws the
-            # same token as verification of zero drafts, with a fraction of its kernels
+            # same token as verification of zero drafts, with a fraction of its kernels (also
+            # in synthetic mode, whose token after the accepted run is the argmax: at T = 0 a
+            # plain step of the benchmark then costs what a no-speculation step costs)
             return sample_step(logits, inp)
         if self.synthetic_rates is not None:
             return verify_synthetic(

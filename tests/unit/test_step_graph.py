@@ -243,6 +243,29 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
             sg.alloc_ms[key[1]] * n for key, n in used.items() if key[0] == "trim")  # fmt: skip
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_synthetic_plain_steps_through_the_padded_path(tiny_qwen, drafter, tmp_path,
+                                                       temperature):  # fmt: skip
+    """Synthetic acceptance with drafting skipped: a greedy plain step samples plainly (one
+    token per row), a sampled one goes through the synthetic verifier (K+1 wide); both give
+    the per-phase path's tokens through the padded path's packed outputs."""
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")  # the drafter costs 20 ms a step: drafting is skipped
+    CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.001, fixed_overhead_ms=0.0,
+                       draft_base_ms=20.0, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "cost_table_path": path, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    ref, _, _ = _generate(tiny_qwen, spec, temperature, step_graphs=False)
+    got, used, llm = _generate(tiny_qwen, spec, temperature, step_graphs=True)
+    assert got == ref and [len(t) for t in got] == MAX_TOKENS
+    plain = [key for key in used if key[0] == "plain"]
+    assert plain and all(key[2] == ("greedy" if temperature == 0 else "sample") for key in plain)
+    sg = llm.engine.runner.step_graphs
+    assert {sg.width(key) for key in plain} == ({1} if temperature == 0 else {5})
+
+
 def test_draft_step_for_the_cost_profile_writes_only_the_scratch_row(tiny_qwen, drafter):
     llm = LLM(tiny_qwen, device="cpu", block_size=4, max_num_seqs=8, num_kv_blocks=200,
               speculative_config={"model": drafter, "num_speculative_tokens": 3})  # fmt: skip

@@ -66,6 +66,27 @@ def test_adaptive_trims_low_survival_positions(tiny_qwen, config_only_drafter, t
     assert st.verified_per_pos[3] < 0.5 * st.verified_per_pos[0]  # deep slots mostly trimmed
 
 
+def test_plain_steps_sample_plainly_in_synthetic_mode(tiny_qwen, config_only_drafter, tmp_path,
+                                                     monkeypatch):
+    """Steps without drafts (drafting skipped) draw the argmax by plain sampling, the kernels of
+    a no-speculation step, not through the synthetic verifier; drafted steps use the latter."""
+    import dspark.spec.decoder as decoder_mod
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")  # the drafter costs 20 ms a step: drafting is skipped
+    CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.001, fixed_overhead_ms=0.0,
+                       draft_base_ms=20.0, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    calls = []
+    for name in ("sample_step", "verify_synthetic"):
+        fn = getattr(decoder_mod, name)
+        monkeypatch.setattr(decoder_mod, name, lambda *a, _fn=fn, _n=name, **k: (
+            calls.append(_n), _fn(*a, **k))[1])
+    st = _run(tiny_qwen, config_only_drafter, [0.5] * 4, adaptive_policy="lagged",
+              cost_table_path=path)
+    assert st.num_steps > 0 and "verify_synthetic" in calls  # probes still verify drafts
+    assert calls.count("sample_step") > 5 * calls.count("verify_synthetic")
+
+
 @pytest.mark.parametrize("bad", [None, [0.5] * 3, [1.5] * 4, "x"])
 def test_rates_are_validated(bad):
     with pytest.raises(ValueError, match="synthetic_acceptance_rates"):
