@@ -25,6 +25,7 @@ from dspark.engine.output_builder import build_outputs, make_output
 from dspark.engine.prompt_input import prompt_token_ids
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
+from dspark.engine.stopping import append_tokens
 from dspark.models.config import ModelConfig, parse_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling.rng import hash_keys
@@ -161,7 +162,7 @@ class LLMEngine:
             self.requests.pop(request_id, None)
             return
         self.scheduler.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        req.finish(RequestStatus.FINISHED_ABORTED)
         self._release_slot(req)
         self.requests.pop(request_id, None)
 
@@ -317,6 +318,7 @@ class LLMEngine:
         finished (stop token, abort) or been preempted since."""
         produced: list[tuple[Request, list[int]]] = []
         now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
+        rounds: list[tuple[int, int, int]] = []  # (drafted, verified, accepted) of this step
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
         )):  # fmt: skip
@@ -340,15 +342,8 @@ class LLMEngine:
                 self.stats["prompt_tokens"] += req.num_prompt_tokens
             if drafted > 0:
                 req.spec.record(drafted, verified, accepted)
-                self.spec_stats.record(drafted, verified, accepted)
-            new_tokens = []
-            for tok in emitted:
-                req.token_ids.append(tok)
-                new_tokens.append(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                if self._check_stop(req, tok):
-                    break
+                rounds.append((drafted, verified, accepted))
+            new_tokens = append_tokens(req, emitted, now, self.detokenizer)
             self.stats["generation_tokens"] += len(new_tokens)
             finished = req.status.finished
             if finished:
@@ -363,29 +358,9 @@ class LLMEngine:
                     self.block_manager.cache_full_blocks(req)
             if stream or finished:
                 produced.append((req, new_tokens))
+        if rounds:
+            self.spec_stats.record_many(*zip(*rounds))
         return produced
-
-    def _check_stop(self, req: Request, tok: int) -> bool:
-        """Called after each appended token (hot: once per generated token)."""
-        if tok in req.eos_token_ids:
-            req.stop_reason = None
-        elif tok in req.stop_token_ids:
-            req.stop_reason = tok
-        elif not (
-            req.params.stop_strings
-            and self.detokenizer.find_stop(req, self.detokenizer.update(req))
-        ):
-            if len(req.token_ids) < req.max_total_tokens:
-                return False
-            self._finish(req, RequestStatus.FINISHED_LENGTH)  # max_tokens or max_model_len
-            return True
-        self._finish(req, RequestStatus.FINISHED_STOPPED)
-        return True
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        req.status = status
-        req.finished_time = time.time()
-        req.has_drafts = False
 
     def _release_slot(self, req: Request) -> None:
         if req.slot >= 0:

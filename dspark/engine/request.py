@@ -32,48 +32,93 @@ class RequestStatus(enum.Enum):
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
+def _bump(hist: list[int], i: int) -> None:
+    if i >= len(hist):
+        hist.extend([0] * (i + 1 - len(hist)))
+    hist[i] += 1
+
+
+def _tail_counts(hist: list[int], width: int) -> list[int]:
+    """[rounds whose count exceeds j for j in 0..width-1] from a histogram of counts."""
+    out, above = [0] * width, 0
+    for j in range(len(hist) - 1, 0, -1):  # above = rounds with count >= j
+        above += hist[j]
+        if j - 1 < width:
+            out[j - 1] = above
+    return out
+
+
+def _add(hist: list[int], counts) -> None:
+    if len(counts) > len(hist):
+        hist.extend([0] * (len(counts) - len(hist)))
+    for i, c in enumerate(counts):
+        hist[i] += int(c)
+
+
 @dataclass
 class SpecStats:
-    """Speculative-decoding counters of one request (or aggregated over many)."""
+    """Speculative-decoding counters of one request (or aggregated over many). Per round
+    (a decoding step that had drafts) only histograms are updated: of the drafts verified, of
+    those accepted and of the slots tested (verified with every earlier draft accepted:
+    min(accepted + 1, verified)); the per-position counts are their tail sums (hot path: one
+    record per request and step)."""
 
     num_steps: int = 0  # decoding rounds that had drafts available
     num_drafted_tokens: int = 0  # drafts proposed
     num_verified_tokens: int = 0  # drafts sent to the target (drafted - trimmed)
     num_accepted_tokens: int = 0  # drafts accepted
-    accepted_per_pos: list[int] = field(default_factory=list)  # rounds accepting >= pos+1
-    verified_per_pos: list[int] = field(default_factory=list)  # rounds verifying >= pos+1
-    # rounds in which slot pos was verified with every earlier draft accepted (it was "tested")
-    reached_per_pos: list[int] = field(default_factory=list)
+    width: int = 0  # most drafts proposed in one round (length of the per-position lists)
+    verified_hist: list[int] = field(default_factory=list)  # rounds by drafts verified
+    accepted_hist: list[int] = field(default_factory=list)  # rounds by drafts accepted
+    reached_hist: list[int] = field(default_factory=list)  # rounds by slots tested
 
     def record(self, num_drafted: int, num_verified: int, num_accepted: int) -> None:
         self.num_steps += 1
         self.num_drafted_tokens += num_drafted
         self.num_verified_tokens += num_verified
         self.num_accepted_tokens += num_accepted
-        need = max(num_drafted, len(self.verified_per_pos))
-        for lst in (self.accepted_per_pos, self.verified_per_pos, self.reached_per_pos):
-            lst.extend([0] * (need - len(lst)))
-        for j in range(num_verified):
-            self.verified_per_pos[j] += 1
-        for j in range(num_accepted):
-            self.accepted_per_pos[j] += 1
-        for j in range(min(num_accepted + 1, num_verified)):
-            self.reached_per_pos[j] += 1
+        if num_drafted > self.width:
+            self.width = num_drafted
+        _bump(self.verified_hist, num_verified)
+        _bump(self.accepted_hist, num_accepted)
+        _bump(self.reached_hist, min(num_accepted + 1, num_verified))
+
+    def record_many(self, drafted, verified, accepted) -> None:
+        """`record` for many rounds at once (the rows of a step), vectorized."""
+        d, v, a = (np.asarray(x, dtype=np.int64) for x in (drafted, verified, accepted))
+        if d.size == 0:
+            return
+        self.num_steps += int(d.size)
+        self.num_drafted_tokens += int(d.sum())
+        self.num_verified_tokens += int(v.sum())
+        self.num_accepted_tokens += int(a.sum())
+        self.width = max(self.width, int(d.max()))
+        for hist, counts in ((self.verified_hist, v), (self.accepted_hist, a),
+                             (self.reached_hist, np.minimum(a + 1, v))):  # fmt: skip
+            _add(hist, np.bincount(counts))
 
     def merge(self, other: SpecStats) -> None:
         self.num_steps += other.num_steps
         self.num_drafted_tokens += other.num_drafted_tokens
         self.num_verified_tokens += other.num_verified_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        need = max(len(self.verified_per_pos), len(other.verified_per_pos))
-        for mine, theirs in (
-            (self.accepted_per_pos, other.accepted_per_pos),
-            (self.verified_per_pos, other.verified_per_pos),
-            (self.reached_per_pos, other.reached_per_pos),
-        ):
-            mine.extend([0] * (need - len(mine)))
-            for j, v in enumerate(theirs):
-                mine[j] += v
+        self.width = max(self.width, other.width)
+        for mine, theirs in ((self.verified_hist, other.verified_hist),
+                             (self.accepted_hist, other.accepted_hist),
+                             (self.reached_hist, other.reached_hist)):  # fmt: skip
+            _add(mine, theirs)
+
+    @property
+    def verified_per_pos(self) -> list[int]:  # rounds verifying >= pos+1 drafts
+        return _tail_counts(self.verified_hist, self.width)
+
+    @property
+    def accepted_per_pos(self) -> list[int]:  # rounds accepting >= pos+1 drafts
+        return _tail_counts(self.accepted_hist, self.width)
+
+    @property
+    def reached_per_pos(self) -> list[int]:  # rounds in which slot pos was tested
+        return _tail_counts(self.reached_hist, self.width)
 
     def as_dict(self) -> dict:
         steps = max(self.num_steps, 1)
@@ -158,6 +203,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def finish(self, status: RequestStatus) -> None:
+        self.status = status
+        self.finished_time = time.time()
+        self.has_drafts = False
 
     def __repr__(self) -> str:
         return (

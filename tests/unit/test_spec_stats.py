@@ -17,3 +17,41 @@ def test_conditional_and_unconditional_acceptance_and_trimming():
     other.record(4, 4, 4)
     st.merge(other)
     assert st.as_dict()["conditional_acceptance_per_position"] == [3 / 4, 1.0, 1 / 2, 1.0]
+
+
+def _reference(rounds):
+    """Per-position counts by the definition, one loop per round."""
+    width = max((d for d, _, _ in rounds), default=0)
+    ver, acc, reach = [0] * width, [0] * width, [0] * width
+    for _, v, a in rounds:
+        for j in range(v):
+            ver[j] += 1
+        for j in range(a):
+            acc[j] += 1
+        for j in range(min(a + 1, v)):
+            reach[j] += 1
+    return ver, acc, reach
+
+
+def test_histograms_give_the_per_position_counts_and_batches_equal_rounds():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rounds = []
+    for _ in range(300):
+        d = int(rng.integers(1, 8))
+        v = int(rng.integers(0, d + 1))
+        rounds.append((d, v, int(rng.integers(0, v + 1))))
+    one, many, halves = SpecStats(), SpecStats(), SpecStats()
+    for r in rounds:
+        one.record(*r)
+    many.record_many(*zip(*rounds))
+    for part in (rounds[:120], rounds[120:]):
+        other = SpecStats()
+        other.record_many(*zip(*part))
+        halves.merge(other)
+    want = _reference(rounds)
+    for st in (one, many, halves):
+        assert (st.verified_per_pos, st.accepted_per_pos, st.reached_per_pos) == want
+        assert st.as_dict() == one.as_dict()
+    assert one.num_steps == 300 and one.width == max(d for d, _, _ in rounds)
