@@ -169,7 +169,8 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, {what})"]
     lines += summarize(log.records, spec)
     if args.serving and spec is not None:
-        lines.append(f"  learned fixed terms by batch-size bucket: {spec.fixed_costs._ema}")
+        learned = {"greedy" if g else "sampled": fc._ema for g, fc in spec._fixed_by_mode.items()}
+        lines.append(f"  learned fixed terms by sampling mode and batch-size bucket: {learned}")
     elif spec is not None and spec.cost is not None:
         lines += table_view(spec, conc)
     return lines, {"tok_s": toks / wall, "records": log.records}

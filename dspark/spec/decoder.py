@@ -90,7 +90,8 @@ class SpecDecoder:
         self._alloc_ms = 0.0
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
-        self.fixed_costs = FixedCosts()  # online fixed cost per kind of step
+        self._fixed_by_mode = _fixed_costs_by_mode()  # online fixed costs: greedy / sampled
+        self.fixed_costs = self._fixed_by_mode[True]  # the mode of the step planned last
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
         # lagged plans (graph_trims); else a trimmed plan pays the per-phase path's extra cost
         self.graph_steps = self.graph_trims = False
@@ -113,7 +114,8 @@ class SpecDecoder:
             and cost is not None
             and cost.provenance.get("source") == "profiled"
         )
-        self.fixed_costs = FixedCosts()
+        self._fixed_by_mode = _fixed_costs_by_mode()
+        self.fixed_costs = self._fixed_by_mode[True]
         self.planner = Planner(
             self._policy,
             cost,
@@ -140,7 +142,9 @@ class SpecDecoder:
         if self.cost is not None:
             # price the drafter this step runs (argmax only when every row is greedy: about
             # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size
-            changed = self.cost.use_greedy_drafts(host.get("all_greedy"))
+            greedy = bool(host.get("all_greedy"))
+            changed = self.cost.use_greedy_drafts(greedy)
+            self.fixed_costs = self._fixed_by_mode[greedy]  # (and the fixed terms of the mode)
             if self._online_cost:
                 changed |= self.fixed_costs.apply(self.cost, n)
             if changed and self.planner is not None:
@@ -335,26 +339,28 @@ class SpecDecoder:
     def _copy_conf_to_host(self) -> None:
         self.host_confs.push(self.conf)
 
-    def step_tag(self) -> tuple[str, float] | None:
+    def step_tag(self) -> tuple[str, float, bool] | None:
         """What the online cost model needs of the step just launched, read at launch (with
-        async scheduling it is observed after the next one is planned): its kind and the
-        drafter's price. None: not observed (no online correction, or prefill chunks)."""
+        async scheduling it is observed after the next one is planned): its kind, the
+        drafter's price and its sampling mode (greedy). None: not observed (no online
+        correction, or prefill chunks)."""
         if not self._online_cost or self._step_other > 0:
             return None
         if not self.draft_enabled and self._no_drafts:
             kind = "plain"
         else:
             kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
-        return kind, self.cost.draft_lookup(self._step_reqs) if self.draft_enabled else 0.0
+        draft_ms = self.cost.draft_lookup(self._step_reqs) if self.draft_enabled else 0.0
+        return kind, draft_ms, self.fixed_costs.greedy
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
-                          tag: tuple[str, float] | None) -> None:
+                          tag: tuple[str, float, bool] | None) -> None:
         """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
         if tag is None or num_reqs == 0:
             return
-        kind, draft_ms = tag
+        kind, draft_ms, greedy = tag
         variable = self.cost.verify_lookup(num_tokens) + draft_ms  # dense table: every step
-        self.fixed_costs.observe(kind, step_ms - variable, num_reqs)
+        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs)
 
     def count_allocation_ms(self, ms: float) -> None:
         """Allocation time measured elsewhere (inside a whole-step graph)."""
@@ -371,3 +377,10 @@ class SpecDecoder:
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:
         return decoder_metrics(self)
+
+
+def _fixed_costs_by_mode() -> dict[bool, FixedCosts]:
+    """One FixedCosts per sampling mode (all rows greedy: True), each the other's fallback."""
+    greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
+    greedy.fallback, sampled.fallback = sampled, greedy
+    return {True: greedy, False: sampled}

@@ -51,7 +51,7 @@ class DraftingDecision:
         self._skipped = 0  # consecutive steps that skipped drafting
         self._plans = 0
         self._plain_probe_left = 0  # steps of the plain probe still to come
-        self._plain_probed: dict[int, int] = {}  # batch-size bucket -> plan of its last probe
+        self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
         self._flip_logged = -math.inf
 
     def due(self, num_reqs: int) -> bool:
@@ -108,7 +108,7 @@ class DraftingDecision:
         if (not self.enabled or not self.pays or self._plain_probe_left > 0
                 or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
             return False
-        bucket = size_bucket(num_sampling)
+        bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
         last = self._plain_probed.get(bucket)
         if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
             fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY

@@ -181,7 +181,7 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
         else:
             kinds.append(tag[0])
         if tag is not None and len(kinds) > 3:  # warm-up steps are skipped
-            kind, draft_ms = tag
+            kind, draft_ms, _ = tag
             assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
             residual = step_ms - float(spec.cost.verify_cost_ms(num_tokens)) - draft_ms
             b = size_bucket(num_reqs)
@@ -231,7 +231,8 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
         spec.draft_enabled, spec._no_drafts = drafting, not drafting
         spec._step_reqs, spec._step_other = num_reqs, 0
         tag = spec.step_tag()
-        assert tag == (("spec", cost.draft_lookup(num_reqs)) if drafting else ("plain", 0.0))
+        assert tag == (("spec", cost.draft_lookup(num_reqs), True) if drafting
+                       else ("plain", 0.0, True))  # fmt: skip
         step = float(cost.verify_cost_ms(tokens)) + fixed_ms + tag[1]
         for _ in range(n):
             spec.observe_step_time(step, tokens, num_reqs, tag)
@@ -388,6 +389,49 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch,
         assert llm.engine.spec_stats.num_steps > 60
 
 
+def test_greedy_and_sampled_steps_learn_their_own_fixed_costs(tiny_qwen, drafter):
+    """Sampled steps pay for sampling over the vocabulary (in verification and drafting) that
+    greedy ones do not: each sampling mode learns its own terms, a mode that has measured a
+    kind at no batch size takes the other mode's, and a real engine's steps land in the mode
+    they ran in."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec, cost = llm.engine.runner.spec, llm.engine.runner.spec.cost
+    modes, tokens, reqs = spec._fixed_by_mode, 8, 8
+
+    def feed(greedy: bool, kind: str, fixed_ms: float, n: int = 60) -> None:
+        spec.fixed_costs = modes[greedy]  # (plan() picks the step's mode)
+        spec.draft_enabled, spec._no_drafts = kind == "spec", kind == "plain"
+        spec._step_reqs, spec._step_other = reqs, 0
+        tag = spec.step_tag()
+        assert tag[0] == kind and tag[2] is greedy
+        step = float(cost.verify_cost_ms(tokens)) + tag[1] + fixed_ms
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, reqs, tag)
+
+    feed(True, "spec", 1.0)
+    assert modes[False].get("spec", reqs) == pytest.approx(1.0, rel=1e-3)  # greedy stands in
+    feed(False, "spec", 3.0)
+    feed(False, "plain", 0.5)
+    feed(True, "plain", 0.2)
+    for greedy, want_spec, want_plain in ((True, 1.0, 0.2), (False, 3.0, 0.5)):
+        assert modes[greedy].get("spec", reqs) == pytest.approx(want_spec, rel=1e-3)
+        assert modes[greedy].get("plain", reqs) == pytest.approx(want_plain, rel=1e-3)
+
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    for temperature, greedy in ((1.0, False), (0.0, True)):
+        params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=1)
+        before = {m: spec._fixed_by_mode[m].steps for m in (True, False)}
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert spec.fixed_costs.greedy is greedy
+        assert spec._fixed_by_mode[greedy].steps > before[greedy] + 5
+        assert spec._fixed_by_mode[not greedy].steps == before[not greedy]
+
+
 def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
     """With whole-step graphs, speculative steps on the eager path (trimmed plans) pay more
     host work than graph replays; that excess is learned apart and becomes the planner's
@@ -414,7 +458,7 @@ def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
     assert cost.fixed_overhead_ms == pytest.approx(2.0, rel=1e-3)
     assert spec.fixed_costs.get("eager", reqs) is None
     assert spec.metrics()["trim_penalty_ms"] == 0.0
-    spec.fixed_costs = FixedCosts()
+    spec._fixed_by_mode[True] = spec.fixed_costs = FixedCosts(greedy=True)  # start afresh
     spec.graph_steps = True
     feed(True, 1.0)
     feed(False, 4.0)

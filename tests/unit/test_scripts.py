@@ -174,4 +174,4 @@ def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
     # every request of both waves ran to its 12 tokens (the smoke's max_tokens)
     assert sum(r["emitted"] for r in records["nospec@3"]["records"]) == 6 * 12
     assert sum(r["emitted"] for r in records["adaptive@3"]["records"]) >= 6 * 12
-    assert "learned fixed terms by batch-size bucket" in report
+    assert "learned fixed terms by sampling mode and batch-size bucket" in report
