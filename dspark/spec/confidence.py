@@ -125,25 +125,52 @@ def fit_sts(logits, accepted_prefix_len, verified_len=None, grid=None,
     return temps
 
 
+# An STS file holds one list of per-position temperatures (`sts_temperatures`), fitted on all
+# calibration blocks, and optionally one per sampling mode (`sts_temperatures_by_mode`:
+# "greedy" for requests at temperature 0, "sampled" for the others): acceptance differs
+# between them (trained pair, position 1: 0.85 greedy, 0.66 sampled), and one fit over both
+# is off for each. The engine uses a mode's list where the file has it.
+SAMPLING_MODES = ("greedy", "sampled")
+
+
 def save_sts(path: str | os.PathLike, temperatures: Sequence[float],
-             provenance: dict[str, Any] | None = None) -> None:
+             provenance: dict[str, Any] | None = None,
+             by_mode: dict[str, Sequence[float]] | None = None) -> None:  # fmt: skip
     prov = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             **(provenance or {})}
+    d: dict[str, Any] = {"sts_temperatures": [float(t) for t in temperatures]}
+    if by_mode:
+        d["sts_temperatures_by_mode"] = {m: [float(t) for t in ts] for m, ts in by_mode.items()}
+    d["provenance"] = prov
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"sts_temperatures": [float(t) for t in temperatures],
-                   "provenance": prov}, f, indent=1)
+        json.dump(d, f, indent=1)
     os.replace(tmp, path)
 
 
 def load_sts(path: str | os.PathLike) -> tuple[list[float], dict[str, Any]]:
     """Returns (temperatures, provenance). Also reads SGLang's `temperatures` spelling."""
+    temps, _, prov = load_sts_by_mode(path)
+    return temps, prov
+
+
+def load_sts_by_mode(path: str | os.PathLike):
+    """(temperatures, {mode: temperatures} for the modes the file fits apart, provenance)."""
     with open(path) as f:
         d = json.load(f)
-    temps = d.get("sts_temperatures", d.get("temperatures"))
-    if not temps or any(not (float(t) > 0) for t in temps):
-        raise ValueError(f"{path}: no positive `sts_temperatures` list")
-    return [float(t) for t in temps], dict(d.get("provenance", {}))
+
+    def positive(temps, name: str) -> list[float]:
+        if not temps or any(not (float(t) > 0) for t in temps):
+            raise ValueError(f"{path}: no positive `{name}` list")
+        return [float(t) for t in temps]
+
+    temps = positive(d.get("sts_temperatures", d.get("temperatures")), "sts_temperatures")
+    by_mode = d.get("sts_temperatures_by_mode") or {}
+    if not isinstance(by_mode, dict) or set(by_mode) - set(SAMPLING_MODES):
+        raise ValueError(f"{path}: `sts_temperatures_by_mode` keys must be among "
+                         f"{list(SAMPLING_MODES)}")  # fmt: skip
+    modes = {m: positive(ts, f"sts_temperatures_by_mode.{m}") for m, ts in by_mode.items()}
+    return temps, modes, dict(d.get("provenance", {}))
 
 
 # ---------------------------------------------------------------------- online estimator
@@ -269,8 +296,9 @@ class OnlineAcceptanceEstimator:
 
 
 def confidence_source(sc, drafter_cfg, k: int, device):
-    """(use the drafter's head?, online estimator or None, STS temperatures or None) for a
-    speculative config (`confidence_source`, `confidence_calibration_path`)."""
+    """(use the drafter's head?, online estimator or None, STS temperatures [2, K] per sampling
+    mode (greedy, sampled) or None) for a speculative config (`confidence_source`,
+    `confidence_calibration_path`)."""
     has_head = drafter_cfg.enable_confidence_head
     if sc.confidence_source == "head" and not has_head:
         raise ValueError(
@@ -281,12 +309,14 @@ def confidence_source(sc, drafter_cfg, k: int, device):
     estimator = None if use_head else OnlineAcceptanceEstimator(k, device)
     sts = None
     if sc.confidence_calibration_path:
-        temps, _ = load_sts(sc.confidence_calibration_path)
-        if len(temps) < k:
+        temps, by_mode, _ = load_sts_by_mode(sc.confidence_calibration_path)
+        rows = [by_mode.get(m, temps) for m in SAMPLING_MODES]
+        if min(len(r) for r in rows) < k:
             raise ValueError(
-                f"calibration file has {len(temps)} temperatures, need {k} "
+                f"calibration file has {min(len(r) for r in rows)} temperatures, need {k} "
                 "(speculative_config.confidence_calibration_path)"
             )
-        # a device tensor: drafting runs inside CUDA graphs (no host->device copy there)
-        sts = torch.tensor(list(temps[:k]), dtype=torch.float32, device=device)
+        # [2, K] (row 0 greedy, row 1 sampled), a device tensor: drafting runs inside CUDA
+        # graphs (no host->device copy there)
+        sts = torch.tensor([r[:k] for r in rows], dtype=torch.float32, device=device)
     return use_head, estimator, sts

@@ -7,6 +7,8 @@ per verified block, the head's raw logits and how many drafts were verified and 
 `fit_sts` then picks per-position temperatures left to right so that the cumulative product
 prod_{i<=k} sigmoid(l_i / T_i) matches the observed "prefix of length k accepted" rate.
 ECE and AUC of that prefix survival are reported per position before (T = 1) and after.
+Calibrating at temperature 0 and above also fits each sampling mode apart (greedy, sampled:
+their acceptance differs), written next to the pooled fit; the engine uses each row's mode's.
 """
 
 from __future__ import annotations
@@ -17,25 +19,29 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dspark.spec.confidence import auc, ece, fit_sts, prefix_labels, save_sts
+from dspark.sampling.processors import GREEDY_EPS
+from dspark.spec.confidence import SAMPLING_MODES, auc, ece, fit_sts, prefix_labels, save_sts
 
 
 def run_trace(llm, prompts: Sequence, temperatures: Sequence[float], max_tokens: int,
               seed: int = 0):
     """Generate every prompt at every temperature with tracing on; returns the stacked
-    (conf_logits [n, K], accepted [n], verified [n]) of all verified blocks."""
+    (conf_logits [n, K], accepted [n], verified [n], greedy [n]) of all verified blocks
+    (greedy: the block's sampling temperature was 0)."""
     from dspark import SamplingParams
 
     spec = llm.engine.runner.spec
     if spec is None or not spec.use_head:
         raise ValueError("calibrate needs speculation with a drafter that has a confidence head")
     spec.start_trace()
+    greedy = []  # per trace record
     try:
         for i, temp in enumerate(temperatures):
             params = [SamplingParams(temperature=float(temp), max_tokens=max_tokens,
                                      seed=seed + 1000 * i + j, ignore_eos=True)
                       for j in range(len(prompts))]
             llm.generate(list(prompts), params, use_tqdm=False)
+            greedy += [float(temp) <= GREEDY_EPS] * (len(spec.trace) - len(greedy))
         trace = spec.trace
     finally:
         spec.trace = None
@@ -44,7 +50,8 @@ def run_trace(llm, prompts: Sequence, temperatures: Sequence[float], max_tokens:
     logits = np.concatenate([r["conf_logits"] for r in trace]).astype(np.float64)
     accepted = np.concatenate([r["accepted"] for r in trace]).astype(np.int64)
     verified = np.concatenate([r["verified"] for r in trace]).astype(np.int64)
-    return logits, accepted, verified
+    modes = np.concatenate([np.full(len(r["accepted"]), g) for r, g in zip(trace, greedy)])
+    return logits, accepted, verified, modes
 
 
 def calibration_table(logits, accepted, verified, temps: Sequence[float]) -> list[dict]:
@@ -106,24 +113,36 @@ def calibrate(
     t0 = time.time()
     llm = LLM(model, seed=seed, speculative_config=spec, **(engine_kwargs or {}))
     try:
-        logits, accepted, verified = run_trace(llm, prompts, temperatures, max_tokens, seed)
+        logits, accepted, verified, greedy = run_trace(llm, prompts, temperatures, max_tokens,
+                                                       seed)  # fmt: skip
     finally:
         del llm
         gc.collect()
-    temps = fit_sts(logits, accepted, verified)
-    rows = calibration_table(logits, accepted, verified, temps)
     log(f"calibration: {len(prompts)} prompts x temperatures {list(temperatures)}, "
         f"{logits.shape[0]} verified blocks, K={logits.shape[1]} ({time.time() - t0:.1f}s)")
+    fit = _fit_and_report(logits, accepted, verified, log)
+    by_mode = {}
+    if greedy.any() and not greedy.all():  # both modes: each also gets its own fit
+        for mode, sel in zip(SAMPLING_MODES, (greedy, ~greedy)):
+            log(f"-- {mode} blocks only ({int(sel.sum())})")
+            by_mode[mode] = _fit_and_report(logits[sel], accepted[sel], verified[sel], log)
+    if output:
+        save_sts(output, fit["temperatures"], {
+            "model": model, "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
+            "temperatures": list(map(float, temperatures)), "num_prompts": len(prompts),
+            "num_blocks": int(logits.shape[0]), "max_tokens": max_tokens,
+            "draft_sample_method": draft_sample_method, **fit["mean"],
+        }, {mode: f["temperatures"] for mode, f in by_mode.items()})  # fmt: skip
+        log(f"wrote {output}")
+    return {"temperatures": fit["temperatures"], "table": fit["table"],
+            "num_blocks": int(logits.shape[0]), **fit["mean"], "by_mode": by_mode}
+
+
+def _fit_and_report(logits, accepted, verified, log) -> dict:
+    temps = fit_sts(logits, accepted, verified)
+    rows = calibration_table(logits, accepted, verified, temps)
     log(format_table(rows))
     mean = {key: float(np.nanmean([r[key] for r in rows]))
             for key in ("ece_before", "ece_after", "auc_before", "auc_after")}
     log("mean over positions: " + ", ".join(f"{k} {v:.4f}" for k, v in mean.items()))
-    if output:
-        save_sts(output, temps, {
-            "model": model, "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
-            "temperatures": list(map(float, temperatures)), "num_prompts": len(prompts),
-            "num_blocks": int(logits.shape[0]), "max_tokens": max_tokens,
-            "draft_sample_method": draft_sample_method, **mean,
-        })  # fmt: skip
-        log(f"wrote {output}")
-    return {"temperatures": temps, "table": rows, "num_blocks": int(logits.shape[0]), **mean}
+    return {"temperatures": temps, "table": rows, "mean": mean}

@@ -432,6 +432,35 @@ def test_greedy_and_sampled_steps_learn_their_own_fixed_costs(tiny_qwen, drafter
         assert spec._fixed_by_mode[not greedy].steps == before[not greedy]
 
 
+def test_each_row_takes_its_sampling_modes_calibration(tiny_qwen, drafter, tmp_path):
+    """An STS file with a fit per sampling mode: greedy rows' confidences use the greedy
+    temperatures, sampled rows' the sampled ones (here 100: every confidence ~0.5, and 0.01:
+    every confidence ~0 or ~1)."""
+    from dspark.spec.confidence import save_sts
+
+    path = str(tmp_path / "sts.json")
+    save_sts(path, [1.0] * 5, by_mode={"greedy": [100.0] * 5, "sampled": [0.01] * 5})
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=4,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "fixed",
+                                  "confidence_calibration_path": path})  # fmt: skip
+    spec = llm.engine.runner.spec
+    logits = spec.conf_logits
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2)]
+    llm.engine.add_request("g", PROMPTS[1], params[0])
+    llm.engine.add_request("s", PROMPTS[2], params[1])
+    llm.engine.step()  # prefill: both rows draft
+    slots = [llm.engine.requests[r].slot for r in ("g", "s")]
+    conf = spec.conf[slots].numpy()
+    raw = logits[slots].numpy()
+    assert np.all(np.abs(raw) > 1e-3)  # (the sampled row's case needs non-zero logits)
+    np.testing.assert_allclose(conf[0], 1 / (1 + np.exp(-raw[0] / 100.0)), rtol=1e-5)
+    np.testing.assert_allclose(conf[1], 1 / (1 + np.exp(-raw[1] / 0.01)), rtol=1e-4,
+                               atol=1e-6)  # fmt: skip
+    assert np.all(np.abs(conf[0] - 0.5) < 0.1) and np.all((conf[1] < 0.2) | (conf[1] > 0.8))
+
+
 def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
     """With whole-step graphs, speculative steps on the eager path (trimmed plans) pay more
     host work than graph replays; that excess is learned apart and becomes the planner's

@@ -110,6 +110,24 @@ def test_apply_sts_torch_numpy_and_json(tmp_path):
         load_sts(tmp_path / "bad.json")
 
 
+def test_sts_file_with_a_fit_per_sampling_mode(tmp_path):
+    from dspark.spec.confidence import load_sts_by_mode
+
+    path = tmp_path / "sts.json"
+    save_sts(path, [1.0, 2.0], {"model": "m"}, {"greedy": [0.5, 0.7], "sampled": [1.5, 3.0]})
+    temps, modes, prov = load_sts_by_mode(path)
+    assert temps == [1.0, 2.0] and prov["model"] == "m"
+    assert modes == {"greedy": [0.5, 0.7], "sampled": [1.5, 3.0]}
+    assert load_sts(path)[0] == [1.0, 2.0]  # readers of one list keep working
+    save_sts(path, [1.0, 2.0])
+    assert load_sts_by_mode(path)[1] == {}
+    for bad in ({"hot": [1.0]}, {"greedy": [0.0]}, ["greedy"]):
+        (tmp_path / "bad.json").write_text(json.dumps({"sts_temperatures": [1.0],
+                                                       "sts_temperatures_by_mode": bad}))
+        with pytest.raises(ValueError, match="sts_temperatures_by_mode"):
+            load_sts_by_mode(tmp_path / "bad.json")
+
+
 def test_features():
     p = torch.tensor([[0.5, 0.9, 1.0, 0.0]])
     x = features_from_draft_probs(p)

@@ -26,7 +26,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DSparkDrafter
 from dspark.models.loader import load_weights
 from dspark.models.qwen3 import CausalLM
-from dspark.spec.confidence import load_sts
+from dspark.spec.confidence import load_sts, load_sts_by_mode
 from dspark.testing.checkpoints import TinyShape, make_tiny_target
 from dspark.testing.drafters import deepspec_tensor_shapes
 from dspark.train import data as D
@@ -395,6 +395,12 @@ def test_calibrate_end_to_end(env, trained, tmp_path):
     assert prov["num_blocks"] == res["num_blocks"] > 0 and prov["drafter"] == trained.dir
     assert [r["pos"] for r in res["table"]] == [1, 2, 3, 4, 5]
     assert res["ece_after"] <= res["ece_before"] + 1e-9  # fitted on the same blocks
+    # T = 0 and 1: each sampling mode also fitted on its own blocks, written beside the pooled
+    _, by_mode, _ = load_sts_by_mode(out)
+    assert set(by_mode) == set(res["by_mode"]) == {"greedy", "sampled"}
+    for mode, fit in res["by_mode"].items():
+        assert by_mode[mode] == fit["temperatures"] and len(by_mode[mode]) == 5
+        assert fit["mean"]["ece_after"] <= fit["mean"]["ece_before"] + 1e-9
     # the engine serves with the calibration file
     llm = LLM(env.target, device="cpu", num_kv_blocks=64, speculative_config={
         "method": "dspark", "model": trained.dir, "num_speculative_tokens": 5,
