@@ -125,7 +125,11 @@ def calibrate(
     if greedy.any() and not greedy.all():  # both modes: each also gets its own fit
         for mode, sel in zip(SAMPLING_MODES, (greedy, ~greedy)):
             log(f"-- {mode} blocks only ({int(sel.sum())})")
-            by_mode[mode] = _fit_and_report(logits[sel], accepted[sel], verified[sel], log)
+            part = logits[sel], accepted[sel], verified[sel]
+            by_mode[mode] = _fit_and_report(*part, log)
+            pooled = calibration_table(*part, fit["temperatures"])
+            by_mode[mode]["pooled_ece"] = float(np.nanmean([r["ece_after"] for r in pooled]))
+            log(f"   (the pooled fit on these blocks: mean ece {by_mode[mode]['pooled_ece']:.4f})")
     if output:
         save_sts(output, fit["temperatures"], {
             "model": model, "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
