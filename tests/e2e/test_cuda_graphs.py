@@ -115,9 +115,10 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
             spec.update(rejection_sample_method="synthetic",
                         synthetic_acceptance_rates=[0.9, 0.8, 0.7, 0.6])  # fmt: skip
         if policy == "fixed":  # STS calibration: its temperatures are read inside the graph
-            from dspark.spec.confidence import save_sts
+            from dspark.spec.confidence import save_sts  # (a fit per sampling mode: per row)
 
-            save_sts(tmp_path / "sts.json", [1.5, 0.8, 1.2, 2.0])
+            save_sts(tmp_path / "sts.json", [1.5, 0.8, 1.2, 2.0],
+                     by_mode={"greedy": [0.7, 1.1, 2.0, 0.9], "sampled": [1.3, 0.6, 1.0, 3.0]})
             spec["confidence_calibration_path"] = str(tmp_path / "sts.json")
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12, 7)]
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
@@ -253,6 +254,36 @@ def test_speculative_schedule_ahead_and_startup_trims_on_graphs(ckpt_dir, tmp_pa
         b = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
         slow.shutdown()
         assert a == b, name
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_synthetic_plain_steps_on_graphs_match_eager(ckpt_dir, tmp_path, temperature):
+    """SYNTHETIC acceptance with drafting skipped (a loaded table: the drafter costs 20 ms):
+    greedy plain steps sample plainly (one-token-wide packed outputs), sampled ones go through
+    the synthetic verifier; tokens equal the eager engine's."""
+    from dspark.spec.cost_model import CostModel
+
+    path = ckpt_dir("qwen3_gqa2")
+    table = str(tmp_path / "skip.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.001,
+                       draft_base_ms=20.0, draft_ms_per_req=0.0).to_json(table)  # fmt: skip
+    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=6),
+            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": table,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))}
+               for i, n in enumerate((4, 9, 17, 33, 5))]  # fmt: skip
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate((24, 9, 17, 30, 12))]  # fmt: skip
+    fast = CudaLLM(path, dtype="float32", speculative_config=spec)
+    a = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+    sg = fast.engine.runner.step_graphs
+    plain = [key for key in sg.steps if key[0] == "plain"]
+    assert plain and not sg.failed, sg.steps
+    assert {sg.width(key) for key in plain} == ({1} if temperature == 0 else {5})
+    fast.shutdown()
+    slow = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
+    assert a == [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
 
 
 def test_planner_reads_landed_confidences_on_graphs(ckpt_dir, tmp_path):
