@@ -1,0 +1,143 @@
+"""The lagged policy's drafting decision in the engine: skipped when it cannot pay (lossless),
+draft probes while skipping, plain probes while drafting, drafting kept when it pays."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_model import CostModel
+from dspark.testing.drafters import make_tiny_drafter
+from tests.unit.test_adaptive_engine import MAX_NEW, PROMPTS, _generate, _llm, _table
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("ad")), tiny_qwen, seed=9)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen):
+    return _generate(LLM(tiny_qwen, device="cpu"))
+
+
+def test_drafting_is_skipped_when_it_cannot_pay(tiny_qwen, drafter, reference, tmp_path):
+    # the drafter costs 20 ms per step, verification is nearly free: with this random drafter's
+    # low acceptance, plain decoding wins and the lagged policy stops drafting
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path)
+    assert _generate(llm) == reference  # lossless: skipped rounds are plain decoding
+    spec = llm.engine.runner.spec
+    decode_rounds = sum(MAX_NEW - 1 for _ in PROMPTS)
+    assert 0 < llm.engine.spec_stats.num_steps < 0.25 * decode_rounds
+    assert spec.metrics()["drafting"] is False
+    # the same table with skipping disabled drafts every round
+    llm = _llm(tiny_qwen, drafter, "lagged", path, draft_skipping=False)
+    assert _generate(llm) == reference
+    assert llm.engine.spec_stats.num_steps >= 0.9 * decode_rounds
+
+
+def test_probes_while_skipping_draft_for_a_few_rows(tiny_qwen, drafter, monkeypatch, tmp_path):
+    """While drafting is skipped, a probe every few steps drafts for at most 8 rows of the
+    batch (enough to refresh an aggregate survival estimate) instead of all of them; the
+    output stays the plain decoding output."""
+    import dspark.spec.drafting as drafting_mod
+
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    prompts = [list(range(5 + i, 12 + i)) for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    want = run(LLM(tiny_qwen, device="cpu"))
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=512)
+    spec = llm.engine.runner.spec
+    sizes, propose = [], spec.drafter.propose
+    spec.drafter.propose = lambda anchors, *a, **k: (sizes.append(anchors.shape[0]),
+                                                     propose(anchors, *a, **k))[1]
+    assert run(llm) == want
+    assert sizes[0] == 12  # before the first decision every row drafts
+    probes = sizes[1:]
+    assert len(probes) >= 3 and all(n <= 8 for n in probes)
+
+
+def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
+    from pathlib import Path
+
+    full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(full) / "config.json").read_text())
+    path = _table(tmp_path, "cheap_drafter", weight_read_ms=5.0, ms_per_token=0.001,
+                  fixed_overhead_ms=1.0, draft_base_ms=0.5, draft_ms_per_req=0.0)  # fmt: skip
+    cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "cost_table_path": path, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_rates": [0.95] * 4}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    st = llm.engine.spec_stats
+    assert llm.engine.runner.spec.metrics()["drafting"] is True
+    assert st.num_accepted_tokens > 2 * st.num_steps  # long accepted runs, drafting kept on
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch, caplog, probe):
+    """While every step drafts, no plain step is measured and the drafting decision prices
+    plain decoding with the speculative steps' fixed term, which also holds what only
+    speculation pays. A short plain probe measures it: here speculative steps pay 4 ms of
+    fixed cost and plain ones 0.2 ms, so drafting stops once plain steps are measured, and
+    never without the probe."""
+    from pathlib import Path
+
+    import dspark.spec.drafting as drafting_mod
+
+    if not probe:
+        monkeypatch.setattr(drafting_mod, "_PLAIN_PROBE_STEPS", 0)
+    full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((Path(full) / "config.json").read_text())
+    cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.6] * 4}
+    llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    table = CostModel.from_measurements([1, 64], [1.0, 1.5], [1, 64], [0.5, 0.5],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    spec.set_cost_model(table, "profiled at start-up")
+    assert spec._online_cost
+    observe, kinds = spec.observe_step_time, []
+
+    def steps_as_priced(step_ms, num_tokens, num_reqs, tag):
+        # the step's time as the test's device would take it (this CPU's are noise here)
+        if tag is not None:
+            kinds.append(tag[0])
+            fixed = 0.2 if tag[0] == "plain" else 4.0
+            step_ms = float(spec.cost.verify_cost_ms(num_tokens)) + tag[1] + fixed
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    spec.observe_step_time = steps_as_priced
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="dspark.spec.drafting"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    flips = [r.getMessage() for r in caplog.records if "drafting o" in r.getMessage()]
+    if probe:
+        # measured: plain steps at this batch size, at their true fixed cost; drafting off
+        assert spec.fixed_costs.get("plain", len(PROMPTS)) == pytest.approx(0.2, abs=1e-6)
+        assert spec.metrics()["drafting"] is False
+        # the flip is logged with the numbers it was decided on
+        assert flips and flips[0].startswith("adaptive verification: drafting off at ")
+        assert "plain 0.200 ms (measured at this batch size)" in flips[0]
+        first_plain = kinds.index("plain")
+        assert "spec" in kinds[:first_plain]  # it drafted before it measured plain steps
+    else:  # plain steps never measured: the speculative term stands in and drafting goes on
+        assert "plain" not in kinds and not flips
+        assert spec.metrics()["drafting"] is True
+        assert llm.engine.spec_stats.num_steps > 60

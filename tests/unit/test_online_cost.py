@@ -1,0 +1,256 @@
+"""The online fixed-cost terms of adaptive verification in the engine: learned per kind of
+step (speculative, plain, eager), batch-size bucket and sampling mode, only from tables
+profiled here, never from steps that captured a graph; the drafter priced as it runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_model import CostModel
+from dspark.testing.drafters import make_tiny_drafter
+from tests.unit.test_adaptive_engine import PROMPTS, _generate, _llm, _table
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("ad")), tiny_qwen, seed=9)
+
+
+def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
+    """A start-up profile times only the forward and the drafter; the engine's real steps also
+    pay host work. Each step's residual (measured time beyond the table's forward + drafter
+    time) feeds an exponential moving average per batch-size bucket: speculative steps the
+    table's fixed term, steps without speculation (drafting skipped) the plain one; steps
+    with prefill chunks feed nothing. Replayed here exactly."""
+    from dspark.spec.online_cost import size_bucket
+
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    assert spec.cost.provenance["source"] == "profiled" and spec.cost.fixed_overhead_ms == 0.0
+    # A start-up profile on this shared 2-core CPU can come out slower than the steps that
+    # follow; replace it with one of the same provenance whose forward is nearly free and
+    # whose drafter (50 ms) never pays: every plain step's residual is then its host work
+    table = CostModel.from_measurements([1, 64], [0.01, 0.05], [1, 64], [50.0, 50.0],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="flat"):  # (trimming is not what is tested)
+        spec.set_cost_model(table, "profiled at start-up")
+    want = {"spec": {}, "plain": {}, "eager": {}}  # the first residual replaces the table's
+    kinds, counts, untagged = [], {}, [0]
+    observe = spec.observe_step_time
+
+    def spy(step_ms, num_tokens, num_reqs, tag):
+        if tag is None:  # prefill chunks (or the first steps of a request)
+            untagged[0] += 1
+        else:
+            kinds.append(tag[0])
+        if tag is not None and len(kinds) > 3:  # warm-up steps are skipped
+            kind, draft_ms, _ = tag
+            assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
+            residual = step_ms - float(spec.cost.verify_cost_ms(num_tokens)) - draft_ms
+            b = size_bucket(num_reqs)
+            prev = want[kind].get(b)
+            want[kind][b] = residual if prev is None else 0.9 * prev + 0.1 * residual
+            counts[kind, b] = counts.get((kind, b), 0) + 1
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    spec.observe_step_time = spy
+    plans, plan = [], spec.plan
+
+    def plan_spy(host):
+        budget = plan(host)
+        plans.append((spec.cost.fixed_overhead_ms, spec.fixed_costs.get("spec", spec._step_reqs)))
+        return budget
+
+    spec.plan = plan_spy
+    params = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=3)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert kinds.count("plain") >= 5 and untagged[0] >= 1
+    # plain steps never move the speculative terms (and vice versa); buckets apart
+    for kind, by_bucket in want.items():
+        got = spec.fixed_costs._ema[kind]
+        assert got.keys() == by_bucket.keys(), kind
+        assert all(got[b] == pytest.approx(v, rel=1e-9, abs=1e-12) for b, v in by_bucket.items())
+    # every plan prices its step with the speculative term of its batch size
+    assert plans and all(used == (0.0 if want is None else want) for used, want in plans)
+    busiest = max((b for kind, b in counts if kind == "plain"), key=lambda b: counts["plain", b])
+    assert want["plain"][busiest] > 0  # host work of a CPU step is real
+
+
+def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter):
+    """Steps without speculation (drafting skipped, nothing to verify) and speculative steps
+    pay different fixed costs; each is learned from its own steps, and the skip decision
+    compares drafting against the plain one."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})
+    spec = llm.engine.runner.spec
+    cost = spec.cost
+    from dspark.spec.online_cost import size_bucket
+
+    spec.drafting.survival = np.full(5, 0.5)
+    tokens, reqs = 8, 8
+
+    def feed(drafting: bool, fixed_ms: float, n: int = 120, num_reqs: int = reqs) -> None:
+        spec.draft_enabled, spec._no_drafts = drafting, not drafting
+        spec._step_reqs, spec._step_other = num_reqs, 0
+        tag = spec.step_tag()
+        assert tag == (("spec", cost.draft_lookup(num_reqs), True) if drafting
+                       else ("plain", 0.0, True))  # fmt: skip
+        step = float(cost.verify_cost_ms(tokens)) + fixed_ms + tag[1]
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, num_reqs, tag)
+
+    feed(True, 3.0)
+    feed(False, 1.0)
+    feed(True, 7.0, num_reqs=64)  # another batch size: its own term
+    spec.fixed_costs.apply(cost, reqs)
+    assert cost.fixed_overhead_ms == pytest.approx(3.0, rel=1e-3)
+    spec.fixed_costs.apply(cost, 100)
+    assert cost.fixed_overhead_ms == pytest.approx(7.0, rel=1e-3)
+    assert spec.fixed_costs.get("spec", 4) == pytest.approx(3.0, rel=1e-3)  # nearest measured
+    assert spec.fixed_costs.get("plain", 100) == pytest.approx(1.0, rel=1e-3)  # nearest
+    spec.fixed_costs.apply(cost, reqs)
+    spec._step_reqs = reqs
+    assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(1.0, rel=1e-3)
+    spec._step_other = 5  # a step with a prefill chunk is not observed
+    assert spec.step_tag() is None
+    # the decision uses the plain term for plain decoding: with plain steps made expensive,
+    # drafting pays; with them cheap, it does not
+    verify_base = cost.verify_lookup(reqs)
+    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 1e3
+    assert spec.drafting._pays(cost, spec.fixed_costs, reqs)
+    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 0.0
+    cost.fixed_overhead_ms = 1e3 + verify_base
+    assert not spec.drafting._pays(cost, spec.fixed_costs, reqs)
+
+
+def test_no_online_correction_for_tables_from_elsewhere(tiny_qwen, drafter, tmp_path):
+    path = _table(tmp_path, "given", weight_read_ms=1.0, ms_per_token=0.01)
+    llm = _llm(tiny_qwen, drafter, "lagged", path)
+    before = llm.engine.runner.spec.cost.fixed_overhead_ms
+    _generate(llm)
+    assert llm.engine.runner.spec.cost.fixed_overhead_ms == before
+
+
+def test_greedy_and_sampled_steps_learn_their_own_fixed_costs(tiny_qwen, drafter):
+    """Sampled steps pay for sampling over the vocabulary (in verification and drafting) that
+    greedy ones do not: each sampling mode learns its own terms, a mode that has measured a
+    kind at no batch size takes the other mode's, and a real engine's steps land in the mode
+    they ran in."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec, cost = llm.engine.runner.spec, llm.engine.runner.spec.cost
+    modes, tokens, reqs = spec._fixed_by_mode, 8, 8
+
+    def feed(greedy: bool, kind: str, fixed_ms: float, n: int = 60) -> None:
+        spec.fixed_costs = modes[greedy]  # (plan() picks the step's mode)
+        spec.draft_enabled, spec._no_drafts = kind == "spec", kind == "plain"
+        spec._step_reqs, spec._step_other = reqs, 0
+        tag = spec.step_tag()
+        assert tag[0] == kind and tag[2] is greedy
+        step = float(cost.verify_cost_ms(tokens)) + tag[1] + fixed_ms
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, reqs, tag)
+
+    feed(True, "spec", 1.0)
+    assert modes[False].get("spec", reqs) == pytest.approx(1.0, rel=1e-3)  # greedy stands in
+    feed(False, "spec", 3.0)
+    feed(False, "plain", 0.5)
+    feed(True, "plain", 0.2)
+    for greedy, want_spec, want_plain in ((True, 1.0, 0.2), (False, 3.0, 0.5)):
+        assert modes[greedy].get("spec", reqs) == pytest.approx(want_spec, rel=1e-3)
+        assert modes[greedy].get("plain", reqs) == pytest.approx(want_plain, rel=1e-3)
+
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    for temperature, greedy in ((1.0, False), (0.0, True)):
+        params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=1)
+        before = {m: spec._fixed_by_mode[m].steps for m in (True, False)}
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert spec.fixed_costs.greedy is greedy
+        assert spec._fixed_by_mode[greedy].steps > before[greedy] + 5
+        assert spec._fixed_by_mode[not greedy].steps == before[not greedy]
+
+
+def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
+    """With whole-step graphs, speculative steps on the eager path (trimmed plans) pay more
+    host work than graph replays; that excess is learned apart and becomes the planner's
+    penalty for trimming. Without whole-step graphs (here, the CPU) nothing changes."""
+    from dspark.spec.online_cost import FixedCosts
+
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    cost = spec.cost
+    tokens, reqs = 8, 8
+
+    def feed(graph: bool, fixed_ms: float, n: int = 150) -> None:
+        spec.draft_enabled, spec._no_drafts, spec.ran_as_graph = True, False, graph
+        spec._step_reqs, spec._step_other = reqs, 0
+        step = float(cost.verify_cost_ms(tokens)) + float(cost.draft_cost_ms(reqs)) + fixed_ms
+        for _ in range(n):
+            spec.observe_step_time(step, tokens, reqs, spec.step_tag())
+        spec.fixed_costs.apply(cost, reqs)  # (the next plan does this)
+
+    spec.graph_steps = False  # no graphs: every speculative step feeds the table's term
+    feed(False, 2.0)
+    assert cost.fixed_overhead_ms == pytest.approx(2.0, rel=1e-3)
+    assert spec.fixed_costs.get("eager", reqs) is None
+    assert spec.metrics()["trim_penalty_ms"] == 0.0
+    spec._fixed_by_mode[True] = spec.fixed_costs = FixedCosts(greedy=True)  # start afresh
+    spec.graph_steps = True
+    feed(True, 1.0)
+    feed(False, 4.0)
+    assert cost.fixed_overhead_ms == pytest.approx(1.0, rel=1e-3)
+    assert spec.fixed_costs.get("eager", reqs) == pytest.approx(4.0, rel=1e-3)
+    assert spec.metrics()["trim_penalty_ms"] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_steps_that_capture_a_graph_do_not_feed_the_online_cost(tiny_qwen, drafter):
+    """A first-use graph capture stalls its step (on the H200 ~100 ms against ~10 ms steps):
+    folded into the fixed-cost average it made every speculative step look 20 ms dearer.
+    (Synchronous steps: each call commits the step it launched, so launches map to steps.)"""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, async_scheduling=False,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    runner, spec = llm.engine.runner, llm.engine.runner.spec
+    captures, launches, observed = [0], [0], []
+    runner.num_graph_captures = lambda: captures[0]
+    launch, observe = runner.launch, spec.observe_step_time
+
+    def spy_launch(sched, tables):
+        launches[0] += 1
+        if launches[0] == 6:
+            captures[0] += 1  # this step captured a graph
+        return launch(sched, tables)
+
+    def spy_observe(*args):
+        observed.append(launches[0])
+        observe(*args)
+
+    runner.launch, spec.observe_step_time = spy_launch, spy_observe
+    _generate(llm)
+    assert launches[0] > 8 and 6 not in observed and {5, 7} <= set(observed)
+    assert len(observed) == launches[0] - 1
+
+
+def test_profiled_table_prices_the_drafter_the_step_runs(tiny_qwen, drafter):
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    cost = llm.engine.runner.spec.cost
+    assert cost.draft_greedy_ms.size == cost.draft_reqs.size > 0
+    assert np.all(cost.draft_greedy_ms > 0)
+    _generate(llm)  # temperature 0: greedy drafts
+    assert cost.greedy_drafts
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)
+    assert not cost.greedy_drafts
