@@ -139,20 +139,26 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
         assert a == b
 
 
+def _synthetic_lagged(tmp_path, target: str, seed: int, **table) -> dict:
+    """A lagged speculative config with SYNTHETIC acceptance and a loaded cost table (never
+    corrected online, so two engines plan alike)."""
+    from dspark.spec.cost_model import CostModel
+
+    cost = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, draft_ms_per_req=0.0,
+                       **table).to_json(cost)  # fmt: skip
+    return {"model": make_tiny_drafter(str(tmp_path / "d"), target, seed=seed),
+            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": cost,
+            "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+
+
 def test_trimmed_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path):
     """Lagged plans that trim (a loaded table with costly tokens, never corrected online, so
     both engines plan alike): allocation and compaction run inside graphs captured on first
     use; tokens equal the eager engine's."""
-    from dspark.spec.cost_model import CostModel
-
     path = ckpt_dir("qwen3_gqa2")
-    table = str(tmp_path / "cost.json")
-    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
-                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(table)  # fmt: skip
-    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=5),
-            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": table,
-            "rejection_sample_method": "synthetic",
-            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    spec = _synthetic_lagged(tmp_path, path, 5, ms_per_token=0.08, draft_base_ms=0.1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 17, 33, 5, 12, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     graph = CudaLLM(path, dtype="float32", speculative_config=spec)
@@ -261,16 +267,8 @@ def test_synthetic_plain_steps_on_graphs_match_eager(ckpt_dir, tmp_path, tempera
     """SYNTHETIC acceptance with drafting skipped (a loaded table: the drafter costs 20 ms):
     greedy plain steps sample plainly (one-token-wide packed outputs), sampled ones go through
     the synthetic verifier; tokens equal the eager engine's."""
-    from dspark.spec.cost_model import CostModel
-
     path = ckpt_dir("qwen3_gqa2")
-    table = str(tmp_path / "skip.json")
-    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.001,
-                       draft_base_ms=20.0, draft_ms_per_req=0.0).to_json(table)  # fmt: skip
-    spec = {"model": make_tiny_drafter(str(tmp_path / "d"), path, seed=6),
-            "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": table,
-            "rejection_sample_method": "synthetic",
-            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    spec = _synthetic_lagged(tmp_path, path, 6, ms_per_token=0.001, draft_base_ms=20.0)
     prompts = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))}
                for i, n in enumerate((4, 9, 17, 33, 5))]  # fmt: skip
     params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)

@@ -18,14 +18,10 @@ def drafter(tiny_qwen, tmp_path_factory):
     return make_tiny_drafter(str(tmp_path_factory.mktemp("ad")), tiny_qwen, seed=9)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_qwen):
-    return _generate(LLM(tiny_qwen, device="cpu"))
-
-
-def test_drafting_is_skipped_when_it_cannot_pay(tiny_qwen, drafter, reference, tmp_path):
+def test_drafting_is_skipped_when_it_cannot_pay(tiny_qwen, drafter, tmp_path):
     # the drafter costs 20 ms per step, verification is nearly free: with this random drafter's
     # low acceptance, plain decoding wins and the lagged policy stops drafting
+    reference = _generate(LLM(tiny_qwen, device="cpu"))
     path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
                   fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
     llm = _llm(tiny_qwen, drafter, "lagged", path)
