@@ -363,6 +363,9 @@ def main(argv=None) -> int:
     log(f"drafter: {ds['params'] / 1e6:.2f} M params, {ds['steps']} steps, held-out tau proxy "
         f"{ds.get('eval', {}).get('tau', float('nan')):.3f}")
     log(f"STS: mean ECE {cal['ece_before']:.4f} -> {cal['ece_after']:.4f}")
+    for mode, fit in cal.get("by_mode", {}).items():  # each sampling mode's own fit
+        log(f"STS {mode}: mean ECE {fit['mean']['ece_before']:.4f} -> "
+            f"{fit['mean']['ece_after']:.4f} (the pooled fit: {fit['pooled_ece']:.4f})")
     for temp, s in acc.items():
         per = " ".join(f"{x:.2f}" for x in s["acceptance_per_position"])
         log(f"acceptance length K={p.eval_k} T={temp:g} ({source}): "

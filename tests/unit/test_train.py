@@ -481,6 +481,7 @@ def test_train_pair_smoke(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "SUMMARY" in out.stdout and "acceptance length K=7 T=0" in out.stdout
+    assert "STS greedy: mean ECE" in out.stdout and "STS sampled: mean ECE" in out.stdout
     summary = json.load(open(tmp_path / "summary.json"))
     assert set(summary["acceptance"]) == {"0.0", "1.0"}
     for name in ("target", "drafter"):
