@@ -183,6 +183,9 @@ def main() -> int:
     # which execution path each server ran (a failed capture silently changes the arm)
     checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))
                         for arm in arms(args)}  # fmt: skip
+    # why the adaptive server drafted or not, in its own words (dspark.spec.drafting)
+    checks["drafting_flips"] = drafting_flips(
+        os.path.join(args.out, f"serve_{list(arms(args))[2]}.log"))
     summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
                "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
@@ -206,6 +209,17 @@ def graph_status(log_path: str) -> dict:
             "failures": text.count("capture failed, per-phase path")
             + text.count("CUDA graph capture failed: running eagerly")
             + text.count("prefill CUDA graph capture failed")}  # fmt: skip
+
+
+def drafting_flips(log_path: str) -> list[str]:
+    """The adaptive server's logged turns of drafting on or off, in order (INFO, at most one
+    per 10 s: a sample of the decisions, each with the rates it compared)."""
+    try:
+        lines = open(log_path).read().splitlines()
+    except OSError:
+        return []
+    tag = "adaptive verification: drafting "
+    return [line.split(tag, 1)[1] for line in lines if tag in line]
 
 
 def print_table(args, temps, results, checks, label) -> None:
@@ -239,6 +253,11 @@ def print_table(args, temps, results, checks, label) -> None:
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip
+    flips = checks.get("drafting_flips") or []
+    print(f"adaptive server: drafting turned on/off {len(flips)} times in its log (INFO, at most "
+          f"one per 10 s){'; the first 6:' if flips else ''}")
+    for line in flips[:6]:
+        print(f"  drafting {line}")
     o = checks["overhead"] or {}
     if checks["identical_at_t0"] is None:
         print("T=0 identity: not checked (synthetic acceptance is not lossless by design)")

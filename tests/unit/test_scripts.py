@@ -114,6 +114,8 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
         assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
     assert ("SYNTHETIC" in proc.stdout) == synthetic
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
+    # the adaptive server's drafting flips from its log (however many this CPU makes)
+    assert f"drafting turned on/off {len(checks['drafting_flips'])} times" in proc.stdout
     # the adaptive server's steps during a level, by kind, from its /metrics (present when the
     # engine's metrics snapshot, taken every 0.1 s or on going idle, landed inside the level)
     for lv in summary["results"]["adaptive7@0"]:
@@ -122,6 +124,25 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
             kinds = delta["steps_by_kind"]
             assert set(kinds) <= {"plain", "draft", "verify", "mixed"}
             assert sum(kinds.values()) > 0
+
+
+def test_bench_e2e_reads_drafting_flips_from_a_server_log(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", f"{ROOT}/scripts/bench_e2e.py")
+    bench_e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_e2e)
+    log = tmp_path / "serve.log"
+    log.write_text("INFO dspark.serve: serving\n"
+                   "INFO dspark.spec.drafting: adaptive verification: drafting off at 4 "
+                   "requests: best verify length 1.0 tok/ms vs plain decoding 2.0 tok/ms\n"
+                   "INFO:     127.0.0.1 - POST /v1/completions\n"
+                   "INFO dspark.spec.drafting: adaptive verification: drafting on at 16 "
+                   "requests: best verify length 3.0 tok/ms vs plain decoding 2.0 tok/ms\n")
+    assert bench_e2e.drafting_flips(str(log)) == [
+        "off at 4 requests: best verify length 1.0 tok/ms vs plain decoding 2.0 tok/ms",
+        "on at 16 requests: best verify length 3.0 tok/ms vs plain decoding 2.0 tok/ms"]
+    assert bench_e2e.drafting_flips(str(tmp_path / "missing.log")) == []
 
 
 def test_diag_step_paths_smoke(tmp_path):
