@@ -26,6 +26,7 @@ import httpx
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from dspark.spec.drafting import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
 
 
@@ -218,8 +219,7 @@ def drafting_flips(log_path: str) -> list[str]:
         lines = open(log_path).read().splitlines()
     except OSError:
         return []
-    tag = "adaptive verification: drafting "
-    return [line.split(tag, 1)[1] for line in lines if tag in line]
+    return [line.split(FLIP_LOG_PREFIX, 1)[1] for line in lines if FLIP_LOG_PREFIX in line]
 
 
 def print_table(args, temps, results, checks, label) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata, compute_token_to_req
 from dspark.engine.scheduler import ScheduledRow
+from dspark.sampling.processors import GREEDY_EPS
 
 # input id of a token sampled by the step still in flight (async scheduling): the device
 # takes it from the runner's last-sampled-token buffer (`resolve_pending`)
@@ -196,7 +197,7 @@ def pack_step(
     floats = np.stack([temperature, top_p, min_p])
     meta = np.array([
         num_reqs, total, max_blocks, hi[0], int(ints[4].max()) if num_reqs else 0, num_samples,
-        bool((temperature <= 1e-5).all()), hi[1], num_samples + int(samples @ caps),
+        bool((temperature <= GREEDY_EPS).all()), hi[1], num_samples + int(samples @ caps),
         hi[7] > 0, bool((top_p < 1).any()), bool(min_p.any()), fill.shape[1],
     ], dtype=np.int64)  # fmt: skip
     return HostStep(meta, np.concatenate(ints), floats, fill)

@@ -64,13 +64,16 @@ def auc(scores, labels, mask=None) -> float:
 
 def apply_sts(logits, temperatures: Sequence[float]):
     """Conditional confidences sigmoid(logit_k / T_k); logits [..., K] (torch or numpy).
-    K may be shorter than len(temperatures) (a shorter K uses the first slots)."""
+    K may be shorter than the temperatures (a shorter K uses the first slots). A tensor of
+    temperatures may also hold one row per logits row ([R, K'], e.g. each row's sampling
+    mode's)."""
     k = logits.shape[-1]
-    if len(temperatures) < k:
-        raise ValueError(f"{len(temperatures)} STS temperatures for {k} slots")
+    width = temperatures.shape[-1] if isinstance(temperatures, torch.Tensor) else len(temperatures)
+    if width < k:
+        raise ValueError(f"{width} STS temperatures for {k} slots")
     if isinstance(logits, torch.Tensor):
         if isinstance(temperatures, torch.Tensor):  # already on the device (graph capture)
-            return torch.sigmoid(logits / temperatures[:k].to(logits.dtype))
+            return torch.sigmoid(logits / temperatures[..., :k].to(logits.dtype))
         t = torch.as_tensor(list(temperatures)[:k], dtype=logits.dtype, device=logits.device)
         return torch.sigmoid(logits / t)
     t = np.asarray(temperatures, dtype=np.float64)[:k]

@@ -21,7 +21,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.processors import GREEDY_EPS
 from dspark.sampling.sampler import sample_step
-from dspark.spec.confidence import confidence_source, features_from_draft_probs
+from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
@@ -329,7 +329,7 @@ class SpecDecoder:
             if self.sts is None:
                 conf = torch.sigmoid(logits)
             else:  # each row's sampling mode's temperatures (row 0: greedy, row 1: sampled)
-                conf = torch.sigmoid(logits / self.sts[(temperature > GREEDY_EPS).long()])
+                conf = apply_sts(logits, self.sts[(temperature > GREEDY_EPS).long()])
         else:
             feats = features_from_draft_probs(draft.max_probs)
             self.features[slots] = feats

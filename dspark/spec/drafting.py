@@ -38,6 +38,7 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 _PLAIN_PROBE_STEPS = 4
 _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
 _FLIP_LOG_EVERY_S = 10.0  # drafting turned on / off: logged at INFO at most this often
+FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py collects these)
 
 
 class DraftingDecision:
@@ -130,7 +131,7 @@ class DraftingDecision:
             where = "measured at this batch size" if measured_here else "another batch size's"
             plain = f"{plain_fixed:.3f} ms ({where})"
         logger.log(logging.DEBUG if quiet else logging.INFO,
-                   "adaptive verification: drafting %s at %d requests: best verify length "
+                   FLIP_LOG_PREFIX + "%s at %d requests: best verify length "
                    "%.3f tok/ms vs plain decoding %.3f tok/ms; fixed terms: speculative %.3f ms, "
                    "plain %s; mean survival %s", "on" if pays else "off", num_sampling,
                    spec_rate, plain_rate, spec_fixed, plain,

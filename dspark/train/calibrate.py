@@ -20,7 +20,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dspark.sampling.processors import GREEDY_EPS
-from dspark.spec.confidence import SAMPLING_MODES, auc, ece, fit_sts, prefix_labels, save_sts
+from dspark.spec.confidence import (
+    SAMPLING_MODES,
+    apply_sts,
+    auc,
+    ece,
+    fit_sts,
+    prefix_labels,
+    save_sts,
+)
 
 
 def run_trace(llm, prompts: Sequence, temperatures: Sequence[float], max_tokens: int,
@@ -59,7 +67,7 @@ def calibration_table(logits, accepted, verified, temps: Sequence[float]) -> lis
     k = logits.shape[1]
     y, observed = prefix_labels(accepted, verified, k)
     before = np.cumprod(1.0 / (1.0 + np.exp(-logits)), axis=1)
-    after = np.cumprod(1.0 / (1.0 + np.exp(-logits / np.asarray(temps[:k]))), axis=1)
+    after = np.cumprod(apply_sts(logits, temps), axis=1)
     reached = (np.arange(k)[None, :] <= np.asarray(accepted)[:, None]) & observed
     rows = []
     for j in range(k):

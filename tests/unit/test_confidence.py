@@ -194,3 +194,9 @@ def test_apply_sts_takes_device_tensor_temperatures():
     want = apply_sts(logits, temps)
     torch.testing.assert_close(apply_sts(logits, torch.tensor(temps)), want)
     torch.testing.assert_close(want, torch.sigmoid(logits / torch.tensor(temps[:4])))
+    # one row of temperatures per logits row (each row's sampling mode's)
+    per_row = torch.tensor([temps, [t * 2 for t in temps]])[torch.tensor([0, 1, 1, 0, 1])]
+    torch.testing.assert_close(apply_sts(logits, per_row),
+                               torch.sigmoid(logits / per_row[:, :4]))  # fmt: skip
+    with pytest.raises(ValueError):
+        apply_sts(logits, per_row[:, :3])
