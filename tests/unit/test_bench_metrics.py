@@ -24,16 +24,14 @@ from dspark.bench.datasets import (
     take,
 )
 from dspark.bench.plot import plot_arms, plot_result_files
-from dspark.bench.serve import (
+from dspark.bench.serve import RequestOutput, compute_metrics, summarize
+from dspark.bench.spec_stats import (
     SPEC_COUNTERS,
-    RequestOutput,
-    compute_metrics,
     parse_prometheus,
     series_by_label,
     spec_from_counters,
     spec_from_responses,
     spec_summary,
-    summarize,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

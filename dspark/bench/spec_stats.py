@@ -1,0 +1,111 @@
+"""Speculation statistics of a benchmark level: totalled from the responses' `spec_decode`
+objects, or as the growth of a dspark server's Prometheus counters over the level (with its
+steps by kind)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from dspark.bench.serve import BenchConfig, RequestOutput
+
+# `spec_decode` response fields -> the Prometheus counters that total them server-wide
+SPEC_COUNTERS = {
+    "num_drafted_tokens": "dspark_spec_drafted_tokens_total",
+    "num_verified_tokens": "dspark_spec_verified_tokens_total",
+    "num_accepted_tokens": "dspark_spec_accepted_tokens_total",
+    "num_steps": "dspark_spec_num_steps_total",
+}
+SPEC_FIELDS = tuple(SPEC_COUNTERS)
+# a speculative server's steps by kind (a kind's series appears once it has counted a step)
+STEP_KIND_METRIC = "dspark_spec_steps_total"
+
+
+def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
+    """Acceptance statistics from drafted / verified / accepted / step totals.
+    mean acceptance length = (accepted + steps) / steps (tokens committed per decoding round)."""
+    drafted, verified, accepted, steps = (totals[k] for k in SPEC_FIELDS)
+    return {
+        "source": source,
+        **{k: totals[k] for k in SPEC_FIELDS},
+        "mean_acceptance_length": (accepted + steps) / steps if steps > 0 else None,
+        "acceptance_rate": accepted / verified if verified > 0 else None,
+        "verified_tokens_per_request": verified / num_requests if num_requests else None,
+        "drafted_tokens_per_request": drafted / num_requests if num_requests else None,
+    }
+
+
+def spec_from_responses(outputs: list[RequestOutput]) -> dict | None:
+    stats = [o.spec_decode for o in outputs if o.success and isinstance(o.spec_decode, dict)]
+    stats = [s for s in stats if all(isinstance(s.get(k), (int, float)) for k in SPEC_FIELDS)]
+    if not stats:
+        return None
+    totals = {k: sum(s[k] for s in stats) for k in SPEC_FIELDS}
+    return spec_summary(totals, len(stats), "responses") | {"num_requests_with_stats": len(stats)}
+
+
+def parse_prometheus(text: str, names: set[str]) -> dict[str, float]:
+    """Sum of each wanted metric over all its label sets (Prometheus text format)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, rest = line[: line.index("{")], line[line.rfind("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        if name in names:
+            try:
+                found[name] = found.get(name, 0.0) + float(rest.split()[0])
+            except (ValueError, IndexError):
+                continue
+    return found
+
+
+async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) -> dict | None:
+    """The four `dspark_spec_*` counters from GET /metrics, or None when unavailable."""
+    try:
+        async with session.get(cfg.root_url + "/metrics", headers=cfg.headers()) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+            found = parse_prometheus(text, set(SPEC_COUNTERS.values()))
+    except Exception:  # noqa: BLE001 - metrics are optional
+        return None
+    if len(found) != len(SPEC_COUNTERS):
+        return None
+    kinds = series_by_label(text, STEP_KIND_METRIC, "kind")
+    return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
+        f"steps:{kind}": v for kind, v in kinds.items()}
+
+
+def series_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """The values of a metric's series keyed by one label's value, from series rendered as
+    `name{label="value"} number` (Prometheus text format)."""
+    prefix = f'{name}{{{label}="'
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            value, _, rest = line[len(prefix):].partition('"')
+            try:
+                found[value] = float(rest[rest.index("}") + 1 :].split()[0])
+            except (ValueError, IndexError):
+                continue
+    return found
+
+
+def spec_from_counters(before: dict | None, after: dict | None, num_requests: int) -> dict | None:
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in SPEC_FIELDS}
+    if delta["num_steps"] <= 0 and delta["num_drafted_tokens"] <= 0:
+        return None
+    summary = spec_summary(delta, num_requests, "metrics")
+    kinds = {k.removeprefix("steps:"): after[k] - before.get(k, 0.0)
+             for k in after if k.startswith("steps:")}  # fmt: skip
+    if kinds:  # the server's steps during the level, by kind
+        summary["steps_by_kind"] = kinds
+    return summary
