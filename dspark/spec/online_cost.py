@@ -3,8 +3,12 @@
 A start-up profile times the target forward and the drafter only; a real step also pays host
 work that no trimming removes, and attention over contexts longer than the profile's. Left
 out, every token looks too expensive and the planner over-trims. Each decode step's residual
-(measured step time beyond the table's forward + drafter time) feeds an exponential moving
-average, one per kind of step and per batch-size bucket (request counts 1, 2-3, 4-7, ...):
+(measured step time beyond the table's forward + drafter time) joins a window of the last
+WINDOW residuals, one per kind of step and per batch-size bucket (request counts 1, 2-3, 4-7,
+...), and the term is the window's median: a served step's period also holds whatever the
+driver did between steps (a request's arrival, a collection pause), and one 20 ms outlier
+moved an average by 2 ms for tens of steps (an H200 server learned 3.9 ms for plain steps that
+took 2.5, and kept it until the next probe):
 
   spec   speculative steps that verify every draft (one whole-step graph where available):
          the table's `fixed_overhead_ms`, the term every candidate pays;
@@ -27,9 +31,11 @@ is the table's error at thousands of tokens, not a decode step's fixed cost.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 WARMUP_STEPS = 3  # first steps compile kernels and fill caches: not representative
-ALPHA = 0.1  # EMA weight of the newest residual
+WINDOW = 15  # residuals kept per kind and bucket (odd: the median is one of them)
 KINDS = ("spec", "plain", "eager")
 
 
@@ -48,19 +54,22 @@ class FixedCosts:
         self.greedy = greedy
         self.fallback = fallback
         self.steps = 0
-        self._ema: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+        self._recent: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
+        self._term: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}  # their medians
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
 
     def observe(self, kind: str, residual_ms: float, num_reqs: int) -> None:
-        """Fold one step's residual into its kind's and batch size's average (the first
+        """Add one step's residual to its kind's and batch size's window (the first
         measurement of a bucket replaces the table's term outright)."""
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return
-        table = self._ema[kind]
         b = size_bucket(num_reqs)
-        prev = table.get(b)
-        table[b] = residual_ms if prev is None else (1 - ALPHA) * prev + ALPHA * residual_ms
+        window = self._recent[kind].get(b)
+        if window is None:
+            window = self._recent[kind][b] = deque(maxlen=WINDOW)
+        window.append(residual_ms)
+        self._term[kind][b] = statistics.median(window)
         self._last[kind][b] = self.steps
 
     def age(self, kind: str, num_reqs: int) -> float:
@@ -78,7 +87,7 @@ class FixedCosts:
         return own
 
     def _nearest(self, kind: str, num_reqs: int) -> float | None:
-        table = self._ema[kind]
+        table = self._term[kind]
         if not table:
             return None
         b = size_bucket(num_reqs)

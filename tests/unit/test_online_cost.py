@@ -21,10 +21,12 @@ def drafter(tiny_qwen, tmp_path_factory):
 def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     """A start-up profile times only the forward and the drafter; the engine's real steps also
     pay host work. Each step's residual (measured time beyond the table's forward + drafter
-    time) feeds an exponential moving average per batch-size bucket: speculative steps the
+    time) joins a window whose median is the term, per batch-size bucket: speculative steps the
     table's fixed term, steps without speculation (drafting skipped) the plain one; steps
     with prefill chunks feed nothing. Replayed here exactly."""
-    from dspark.spec.online_cost import size_bucket
+    import statistics
+
+    from dspark.spec.online_cost import WINDOW, size_bucket
 
     llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
               speculative_config={"model": drafter, "num_speculative_tokens": 5,
@@ -39,6 +41,7 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     with pytest.warns(RuntimeWarning, match="flat"):  # (trimming is not what is tested)
         spec.set_cost_model(table, "profiled at start-up")
     want = {"spec": {}, "plain": {}, "eager": {}}  # the first residual replaces the table's
+    seen = {"spec": {}, "plain": {}, "eager": {}}  # every residual, by kind and bucket
     kinds, counts, untagged = [], {}, [0]
     observe = spec.observe_step_time
 
@@ -52,8 +55,8 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
             assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
             residual = step_ms - float(spec.cost.verify_cost_ms(num_tokens)) - draft_ms
             b = size_bucket(num_reqs)
-            prev = want[kind].get(b)
-            want[kind][b] = residual if prev is None else 0.9 * prev + 0.1 * residual
+            seen[kind].setdefault(b, []).append(residual)
+            want[kind][b] = statistics.median(seen[kind][b][-WINDOW:])
             counts[kind, b] = counts.get((kind, b), 0) + 1
         observe(step_ms, num_tokens, num_reqs, tag)
 
@@ -71,7 +74,7 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     assert kinds.count("plain") >= 5 and untagged[0] >= 1
     # plain steps never move the speculative terms (and vice versa); buckets apart
     for kind, by_bucket in want.items():
-        got = spec.fixed_costs._ema[kind]
+        got = spec.fixed_costs._term[kind]
         assert got.keys() == by_bucket.keys(), kind
         assert all(got[b] == pytest.approx(v, rel=1e-9, abs=1e-12) for b, v in by_bucket.items())
     # every plan prices its step with the speculative term of its batch size
@@ -121,9 +124,9 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     # the decision uses the plain term for plain decoding: with plain steps made expensive,
     # drafting pays; with them cheap, it does not
     verify_base = cost.verify_lookup(reqs)
-    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 1e3
+    spec.fixed_costs._term["plain"][size_bucket(reqs)] = 1e3
     assert spec.drafting._pays(cost, spec.fixed_costs, reqs)
-    spec.fixed_costs._ema["plain"][size_bucket(reqs)] = 0.0
+    spec.fixed_costs._term["plain"][size_bucket(reqs)] = 0.0
     cost.fixed_overhead_ms = 1e3 + verify_base
     assert not spec.drafting._pays(cost, spec.fixed_costs, reqs)
 
@@ -254,3 +257,24 @@ def test_profiled_table_prices_the_drafter_the_step_runs(tiny_qwen, drafter):
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=1)
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], params)
     assert not cost.greedy_drafts
+
+
+def test_a_pause_between_steps_does_not_move_the_learned_term():
+    """A served step's period also holds what the driver did between steps (a request's
+    arrival, a collection pause): one 20 ms outlier among 1 ms residuals leaves the term at
+    1 ms (an average would have carried +1.9 ms for tens of steps), and a lasting change is
+    learned within half a window."""
+    from dspark.spec.online_cost import WARMUP_STEPS, WINDOW, FixedCosts
+
+    fc = FixedCosts()
+    for _ in range(WARMUP_STEPS):
+        fc.observe("plain", 99.0, 8)  # warm-up steps: ignored
+    assert fc.get("plain", 8) is None
+    for _ in range(WINDOW):
+        fc.observe("plain", 1.0, 8)
+    fc.observe("plain", 20.0, 8)
+    assert fc.get("plain", 8) == 1.0
+    for _ in range(WINDOW // 2 + 1):
+        fc.observe("plain", 3.0, 8)
+    assert fc.get("plain", 8) == 3.0
+    assert fc.get("spec", 8) is None and fc.get("plain", 64) == 3.0  # nearest bucket
