@@ -1,7 +1,8 @@
 """Where a decoding step's time goes: ms per step and output tokens/s for no speculation and
-fixed-K speculation at temperatures 0 and 1 (plus sampling with the torch RNG instead of the
-Triton kernel), then a torch.profiler table of a few steps per arm (kernel launches per step,
-top ops by CPU and by CUDA time). Default pair: the bundled demo target + drafter.
+fixed-K speculation (or adaptive, or the adaptive engine with drafting held off) at
+temperatures 0 and 1 (plus sampling with the torch RNG instead of the Triton kernel), then a
+torch.profiler table of a few steps per arm (kernel launches per step, top ops by CPU and by
+CUDA time). Default pair: the bundled demo target + drafter.
 
     python3 scripts/profile_step.py --out $OUT            # GPU
     python3 scripts/profile_step.py --smoke               # CPU, tiny sizes (CI)
@@ -132,7 +133,8 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true", help="also write Chrome traces to --out")
     ap.add_argument("--synthetic-rates", default=None,
                     help="SYNTHETIC acceptance per position (benchmark mode, not lossless)")
-    ap.add_argument("--arms", default="nospec,fixed", help="from nospec,fixed,adaptive")
+    ap.add_argument("--arms", default="nospec,fixed",
+                    help="from nospec,fixed,adaptive,plain (adaptive, drafting held off)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -148,13 +150,17 @@ def main() -> int:
     if args.synthetic_rates:
         base.update(rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
+    # plain: the adaptive engine with drafting held off (its plain steps against nospec's)
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
-            "adaptive": dict(base, enable_adaptive_verification=True)}  # fmt: skip
+            "adaptive": dict(base, enable_adaptive_verification=True),
+            "plain": dict(base, enable_adaptive_verification=True)}  # fmt: skip
     temps = [float(t) for t in args.temperatures.split(",")]
     rows, reports = [], []
     for arm in args.arms.split(","):
         spec = arms[arm]
         with LLM(args.target, speculative_config=spec, **kw) as llm:
+            if arm == "plain":  # every step decides against drafting (no probes either)
+                llm.engine.runner.spec.drafting.after_plan = lambda *a, **k: (False, False)
             label_phases(llm)
             for temp in temps:
                 for c in levels:

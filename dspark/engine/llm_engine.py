@@ -112,7 +112,7 @@ class LLMEngine:
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
         # async scheduling (config.schedules_ahead): the step launched last and not yet
-        # committed, as (schedule, wait, the speculative decoder's tag of it)
+        # committed, as (schedule, wait, the speculative decoder's tag and prediction of it)
         self.async_scheduling = self.runner.feeds_pending
         self._in_flight: tuple | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
@@ -219,7 +219,8 @@ class LLMEngine:
         if not sched.is_empty:
             wait = self._launch(sched)
             spec = self.runner.spec  # what the online cost model must know of this step
-            launched = (sched, wait, None if spec is None else spec.step_tag())
+            launched = (sched, wait, None if spec is None else spec.step_tag(),
+                        None if spec is None else spec.take_prediction())  # fmt: skip
             ahead = self.async_scheduling and self._predictable(sched)
             if ahead:
                 self._advance(sched)
@@ -261,10 +262,12 @@ class LLMEngine:
 
     def _commit_launched(self, launched: tuple, advanced: bool) -> tuple:
         """Wait for a launched step and commit it; returns (schedule, result, tag)."""
-        sched, wait, tag = launched
+        sched, wait, tag, prediction = launched
         result = wait()
         self.stats["steps"] += 1
         self._unbuilt += self._commit(sched, result, advanced)
+        if prediction is not None:  # (the drafting decision's acceptance check)
+            self.runner.spec.observe_acceptance(prediction, result.emitted, result.verified)
         return sched, result, tag
 
     @staticmethod

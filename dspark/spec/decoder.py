@@ -22,7 +22,7 @@ from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_com
 from dspark.sampling.processors import GREEDY_EPS
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
-from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
+from dspark.spec.drafting import PROBE_ROWS, DraftingDecision, predicted_accepted
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import FixedCosts
 from dspark.spec.planner import Planner, decode_rate
@@ -73,6 +73,7 @@ class SpecDecoder:
         self.cost = None
         self._online_cost = False
         self._step_reqs, self._step_other = 0, 0  # of the step planned last
+        self._prediction: tuple | None = None  # see take_prediction
         self.cost_status = "not needed by this policy"
         self.planner: Planner | None = None
         if not self.needs_cost_model:
@@ -138,6 +139,7 @@ class SpecDecoder:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
         host confidences (no sync); every policy's step is counted by kind here."""
         rows = host.per_row()
+        self._prediction = None  # (set by a decision step that verifies drafts)
         self._step_reqs = n = rows.shape[1]
         self._step_other = int(rows[2].sum()) - n  # prefill tokens (beyond one per row)
         if self.cost is not None:
@@ -177,13 +179,19 @@ class SpecDecoder:
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
             rate = None
             if other > 0:
-                rate = decode_rate(self.cost, self.drafting.survival, n_sampling,
+                survival = self.drafting.estimate(self.fixed_costs.greedy)
+                rate = decode_rate(self.cost, survival, n_sampling,
                                    self.fixed_costs.get("plain", n_sampling))
             # confidences are read only when needed (at low load, a bound settles the plan)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
                                            penalty, rate)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only
-                self.drafting.update_survival(self._stale(slots)[caps > 0])
+                drafting_rows = np.flatnonzero(caps)
+                stale = self._stale(slots)[drafting_rows]
+                greedy = self.fixed_costs.greedy
+                self.drafting.update_survival(stale, greedy)
+                # checked against the drafts this step accepts (observe_acceptance)
+                self._prediction = (drafting_rows, predicted_accepted(stale), greedy)
         self.last_budget = budget
         self.draft_enabled, self.probing = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
@@ -356,6 +364,26 @@ class SpecDecoder:
             kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
         draft_ms = self.cost.draft_lookup(self._step_reqs) if self.draft_enabled else 0.0
         return kind, draft_ms, self.fixed_costs.greedy
+
+    def take_prediction(self) -> tuple | None:
+        """Read at launch: the step just planned decided on its rows' confidences; what they
+        predicted, for observe_acceptance once the step is committed (None: not a decision
+        step with drafts)."""
+        prediction, self._prediction = self._prediction, None
+        return prediction
+
+    def observe_acceptance(self, prediction: tuple, emitted: list, verified: list) -> None:
+        """A committed step's accepted drafts against the number its rows' confidences
+        predicted at the lengths verified (the drafting decision's acceptance ratio). Rows
+        that emitted nothing (finished meanwhile) or verified nothing are left out."""
+        rows, predicted, greedy = prediction
+        num_out = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[rows]
+        lengths = np.minimum(np.asarray(verified, dtype=np.int64)[rows], predicted.shape[1] - 1)
+        ok = np.flatnonzero((num_out > 0) & (lengths > 0))
+        if ok.size:
+            self.drafting.observe_acceptance(
+                greedy, float(np.minimum(num_out[ok] - 1, lengths[ok]).sum()),
+                float(predicted[ok, lengths[ok]].sum()))  # fmt: skip
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
                           tag: tuple[str, float, bool] | None) -> None:

@@ -7,6 +7,13 @@ against plain decoding, each priced by the cost table with its own fixed term le
 (online_cost.py). It reads only stale, aggregate survival, never the drafts it gates, so a
 skipped round is plain decoding and the output is unchanged (lossless).
 
+The survival estimate is the confidences' (one per sampling mode), scaled by how many drafts
+were accepted against how many the same confidences predicted at the lengths verified: a
+calibration fitted on one workload is off on another (H200, trained pair, T = 0: prefix
+survivals summing to 1.9 predicted, 2.9 drafts accepted per round, and drafting was turned
+off where fixed K beat no speculation by 66%). The trimming itself still ranks the raw
+confidences; only the decision's aggregate is corrected.
+
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
                 PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
@@ -37,7 +44,10 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 # scheduling two of the others are observed (a step left in flight is observed by the next call)
 _PLAIN_PROBE_STEPS = 4
 _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
-_FLIP_LOG_EVERY_S = 10.0  # drafting turned on / off: logged at INFO at most this often
+_FLIP_LOG_EVERY_S = 1.0  # drafting turned on / off: logged at INFO at most this often
+_ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
+_ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used
+_ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
 FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py collects these)
 
 
@@ -46,7 +56,10 @@ class DraftingDecision:
         self.k = k
         self.min_predicted_gain = min_predicted_gain
         self.enabled = enabled  # draft skipping on (off: every step drafts)
-        self.survival: np.ndarray | None = None  # EMA of the mean stale prefix survival [K]
+        self.survival: np.ndarray | None = None  # the estimate last updated (either mode)
+        self._survival: dict[bool, np.ndarray] = {}  # per sampling mode (all greedy: True)
+        # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
+        self._accepted = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.pays = True
         self._since_decision, self._decided_reqs = 0, 0
         self._skipped = 0  # consecutive steps that skipped drafting
@@ -61,13 +74,37 @@ class DraftingDecision:
         return (self._since_decision >= _DECIDE_EVERY or self.survival is None
                 or abs(num_reqs - self._decided_reqs) * 4 > num_reqs)  # fmt: skip
 
-    def update_survival(self, stale: np.ndarray) -> None:
-        """Fold the rows with drafts' stale confidences into the survival estimate (EMA over
-        decision steps; unknown confidences count as 1)."""
+    def update_survival(self, stale: np.ndarray, greedy: bool = True) -> None:
+        """Fold the rows with drafts' stale confidences into the sampling mode's survival
+        estimate (EMA over decision steps; unknown confidences count as 1)."""
         survival = mean_survival(stale)
         if survival is not None:
-            prev = self.survival
+            prev = self._survival.get(greedy)
             self.survival = survival if prev is None else 0.2 * survival + 0.8 * prev
+            self._survival[greedy] = self.survival
+
+    def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
+        """Drafts accepted in a verified step against the number its rows' confidences
+        predicted at the lengths verified (`predicted_accepted`)."""
+        sums = self._accepted[greedy]
+        sums[0] = _ACCEPT_DECAY * sums[0] + accepted
+        sums[1] = _ACCEPT_DECAY * sums[1] + predicted
+
+    def acceptance_ratio(self, greedy: bool) -> float:
+        """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
+        accepted, predicted = self._accepted[greedy]
+        if predicted < _ACCEPT_MIN_PREDICTED:
+            return 1.0
+        return float(np.clip(accepted / predicted, *_ACCEPT_RATIO_BOUNDS))
+
+    def estimate(self, greedy: bool) -> np.ndarray | None:
+        """The mode's mean prefix survival (else the other mode's), scaled by its acceptance
+        ratio and kept a non-increasing probability."""
+        survival = self._survival.get(greedy, self.survival)
+        if survival is None:
+            return None
+        scaled = np.clip(survival[: self.k] * self.acceptance_ratio(greedy), 0.0, 1.0)
+        return np.minimum.accumulate(scaled)
 
     def after_plan(self, decide: bool, cost, fixed: FixedCosts, online: bool, num_reqs: int,
                    num_sampling: int, prefill_tokens: int) -> tuple[bool, bool]:  # fmt: skip
@@ -86,20 +123,24 @@ class DraftingDecision:
                 self._since_decision = _DECIDE_EVERY  # decide again on the measured term
             return False, False
         self._skipped = 0 if self.pays else self._skipped + 1
-        return self.pays or self._skipped % _PROBE_EVERY == 0, not self.pays
+        probe = not self.pays and self._skipped % _PROBE_EVERY == 0
+        if probe:  # the next step verifies the probe's drafts: it decides on their survival
+            self._since_decision = _DECIDE_EVERY
+        return self.pays or probe, not self.pays
 
     def _pays(self, cost, fixed: FixedCosts, num_sampling: int) -> bool:
         """Draft only if some verify length beats plain decoding by the guard margin once the
         drafter's own cost is paid. Judged for a decode step of the sampling requests."""
-        if not self.enabled or self.survival is None or num_sampling == 0:
+        survival = self.estimate(fixed.greedy)
+        if not self.enabled or survival is None or num_sampling == 0:
             return True
-        survival = self.survival[: self.k]
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
         pays = spec > plain * (1.0 + self.min_predicted_gain)
         if pays != self.pays:
             self._log_flip(pays, num_sampling, spec, plain, cost.fixed_overhead_ms,
-                           plain_fixed, fixed.age("plain", num_sampling) < math.inf)  # fmt: skip
+                           plain_fixed, fixed.age("plain", num_sampling) < math.inf,
+                           survival, self.acceptance_ratio(fixed.greedy))  # fmt: skip
         return pays
 
     def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
@@ -119,8 +160,9 @@ class DraftingDecision:
         return True
 
     def _log_flip(self, pays: bool, num_sampling: int, spec_rate: float, plain_rate: float,
-                  spec_fixed: float, plain_fixed: float | None, measured_here: bool) -> None:
-        """Say on which numbers drafting turned on or off (INFO at most every 10 s)."""
+                  spec_fixed: float, plain_fixed: float | None, measured_here: bool,
+                  survival: np.ndarray, ratio: float) -> None:  # fmt: skip
+        """Say on which numbers drafting turned on or off (INFO at most every second)."""
         now = time.monotonic()
         quiet = now - self._flip_logged < _FLIP_LOG_EVERY_S
         if not quiet:
@@ -133,6 +175,15 @@ class DraftingDecision:
         logger.log(logging.DEBUG if quiet else logging.INFO,
                    FLIP_LOG_PREFIX + "%s at %d requests: best verify length "
                    "%.3f tok/ms vs plain decoding %.3f tok/ms; fixed terms: speculative %.3f ms, "
-                   "plain %s; mean survival %s", "on" if pays else "off", num_sampling,
-                   spec_rate, plain_rate, spec_fixed, plain,
-                   [round(float(s), 2) for s in self.survival[: self.k]])  # fmt: skip
+                   "plain %s; mean survival %s (the confidences' x %.2f, accepted / predicted)",
+                   "on" if pays else "off", num_sampling, spec_rate, plain_rate, spec_fixed,
+                   plain, [round(float(s), 2) for s in survival], ratio)  # fmt: skip
+
+
+def predicted_accepted(stale: np.ndarray) -> np.ndarray:
+    """[rows, K + 1]: the drafts each row is expected to get accepted if it verifies
+    l = 0..K of them (the sum of its first l prefix survivals), from stale conditional
+    confidences (unknown ones: 1)."""
+    conf = np.clip(np.nan_to_num(stale, nan=1.0), 0.0, 1.0)
+    cum = np.cumsum(np.cumprod(conf, axis=1), axis=1)
+    return np.concatenate([np.zeros((cum.shape[0], 1)), cum], axis=1)

@@ -137,3 +137,41 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch,
         assert "plain" not in kinds and not flips
         assert spec.metrics()["drafting"] is True
         assert llm.engine.spec_stats.num_steps > 60
+
+
+def test_survival_is_scaled_by_drafts_accepted_over_predicted():
+    """A calibration fitted on one workload can be off on another (H200, trained pair, T = 0:
+    survivals summing to 1.9 predicted, 2.9 drafts accepted per round, and drafting was turned
+    off where it paid). The decision scales each sampling mode's survival by its drafts
+    accepted / the number its confidences predicted at the lengths verified."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision, predicted_accepted
+    from dspark.spec.online_cost import FixedCosts
+
+    # plain decoding 1 token per ms; drafting costs another ms: it pays above ~1.1 survivals
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
+    stale = np.full((8, 4), 0.5)
+    predicted = predicted_accepted(stale)
+    np.testing.assert_allclose(predicted[0], [0.0, 0.5, 0.75, 0.875, 0.9375])
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    d.update_survival(stale, greedy=True)
+    assert d.acceptance_ratio(True) == 1.0  # nothing observed: the confidences as they are
+    assert not d._pays(cost, greedy, 1)  # 0.94 survivals in all
+    d.observe_acceptance(True, accepted=2.0, predicted=predicted[0, 3])
+    assert d.acceptance_ratio(True) == 1.0  # too little observed yet
+    for _ in range(6):
+        d.observe_acceptance(True, accepted=8 * 1.75, predicted=8 * predicted[0, 4])
+    assert d.acceptance_ratio(True) == pytest.approx(1.75 / 0.9375, rel=0.01)
+    for _ in range(40):  # the old observations decay
+        d.observe_acceptance(True, accepted=8 * 1.875, predicted=8 * predicted[0, 4])
+    assert d.acceptance_ratio(True) == pytest.approx(2.0, rel=1e-3)
+    np.testing.assert_allclose(d.estimate(True), [1.0, 0.5, 0.25, 0.125], rtol=1e-3)
+    assert d._pays(cost, greedy, 1)
+    # the other sampling mode keeps its own ratio (and, unmeasured, this mode's survival)
+    assert d.acceptance_ratio(False) == 1.0 and not d._pays(cost, sampled, 1)
+    for _ in range(40):  # bounded: a ratio never claims more than twice or half the drafts
+        d.observe_acceptance(False, accepted=0.0, predicted=8.0)
+    assert d.acceptance_ratio(False) == 0.5

@@ -22,15 +22,17 @@ def config_only_drafter(tiny_qwen, tmp_path_factory):
     return bare
 
 
-def _run(target, drafter, rates, k=4, n=24, **spec):
+def _run(target, drafter, rates, k=4, n=24, setup=None, **spec):
     cfg = {"model": drafter, "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
            "synthetic_acceptance_rates": rates, **spec}  # fmt: skip
     llm = LLM(target, device="cpu", load_format="dummy", speculative_config=cfg)
+    if setup is not None:
+        setup(llm.engine.runner.spec)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + i % 7 + 2))} for i in range(n)],
                         params)  # fmt: skip
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
-    return llm.engine.spec_stats
+    return llm.engine.spec_stats if setup is None else llm
 
 
 def test_rates_one_and_zero(tiny_qwen, config_only_drafter):
@@ -94,3 +96,47 @@ def test_rates_are_validated(bad):
                           synthetic_acceptance_rates=bad)  # fmt: skip
     with pytest.raises(ValueError, match="synthetic"):
         SpeculativeConfig(model="d", synthetic_acceptance_rates=[0.5] * 7)
+
+
+def test_drafting_decision_checks_confidences_against_accepted_drafts(tiny_qwen,
+                                                                      config_only_drafter,
+                                                                      tmp_path):  # fmt: skip
+    """The drafting decision's acceptance ratio pairs each decision step's predicted accepted
+    drafts (its rows' stale confidences, at the lengths verified) with the drafts that step
+    accepted. Synthetic confidences are the true rates: the ratio is ~1. Confidences that
+    understate the rates (x 0.6 each) make it ~2 (its bound); the output is unchanged."""
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")  # drafting nearly free: every step drafts
+    CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.001, fixed_overhead_ms=0.0,
+                       draft_base_ms=0.0, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    rates = [0.9, 0.8, 0.7, 0.6]
+    checked = []
+
+    def count_checks(spec):
+        observe = spec.drafting.observe_acceptance
+        spec.drafting.observe_acceptance = lambda *a: (checked.append(a), observe(*a))[1]
+
+    llm = _run(tiny_qwen, config_only_drafter, rates, n=48, setup=count_checks,
+               adaptive_policy="lagged", cost_table_path=path)  # fmt: skip
+    drafting = llm.engine.runner.spec.drafting
+    assert len(checked) >= 4 and sum(p for _, _, p in checked) > 100
+    assert drafting.acceptance_ratio(True) == pytest.approx(1.0, abs=0.15)
+
+    def understate(spec):
+        count_checks(spec)
+        draft = spec.draft
+
+        def draft_understated(anchors, anchor_pos, block_tables, temperature, seeds, rounds,
+                              slots, *rest, **kw):  # fmt: skip
+            draft(anchors, anchor_pos, block_tables, temperature, seeds, rounds, slots,
+                  *rest, **kw)  # fmt: skip
+            spec.conf[slots] *= 0.6
+
+        spec.draft = draft_understated
+
+    checked.clear()
+    llm = _run(tiny_qwen, config_only_drafter, rates, n=48, setup=understate,
+               adaptive_policy="lagged", cost_table_path=path)  # fmt: skip
+    assert len(checked) >= 4
+    assert llm.engine.runner.spec.drafting.acceptance_ratio(True) > 1.7
