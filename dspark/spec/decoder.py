@@ -82,7 +82,8 @@ class SpecDecoder:
         self.last_budget: int | None = None
         # draft skipping (lagged policy): whether this step proposes drafts for the next one
         self.drafting = DraftingDecision(self.k, sc.min_predicted_gain,
-                                         sc.draft_skipping and self.tensor_parallel_size == 1)
+                                         sc.draft_skipping and self.tensor_parallel_size == 1,
+                                         sc.plain_probes)  # fmt: skip
         self.draft_enabled = True
         self.probing = False  # a draft probe while skipping: a few rows only (drafts_row)
         self.draft_graphs = None

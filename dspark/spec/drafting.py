@@ -17,11 +17,15 @@ confidences; only the decision's aggregate is corrected.
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
                 PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
-  plain probe   while drafting, a batch size whose plain steps were not measured lately gets
-                _PLAIN_PROBE_STEPS steps without drafting. Without it plain decoding is priced
-                with the speculative steps' fixed term, which also holds the drafter's and
-                verification's host work: it looks dearer than it is and drafting never stops
-                where it loses (H200, trained pair, T = 1, c = 1: no speculation 24% faster).
+  plain probe   (`plain_probes`, off by default) while drafting, a batch size whose plain
+                steps were not measured lately gets _PLAIN_PROBE_STEPS steps without drafting.
+                Without it plain decoding is priced with the speculative steps' fixed term,
+                which also holds the drafter's and verification's host work: it looks dearer
+                than it is and drafting can go on where it loses (H200, trained pair, T = 1,
+                c = 1: no speculation 24% faster). With it, a server measures plain steps too
+                cheap: two observed steps run before the streaming of their outputs slows the
+                engine as steady plain decoding does (H200, c = 128: 3.2 ms learned, 8.0 ms per
+                step of the no-speculation server), and drafting stopped where it won.
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py co
 
 
 class DraftingDecision:
-    def __init__(self, k: int, min_predicted_gain: float, enabled: bool):
+    def __init__(self, k: int, min_predicted_gain: float, enabled: bool,
+                 plain_probes: bool = False):  # fmt: skip
         self.k = k
         self.min_predicted_gain = min_predicted_gain
         self.enabled = enabled  # draft skipping on (off: every step drafts)
+        self.plain_probes = plain_probes
         self.survival: np.ndarray | None = None  # the estimate last updated (either mode)
         self._survival: dict[bool, np.ndarray] = {}  # per sampling mode (all greedy: True)
         # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
@@ -147,7 +153,8 @@ class DraftingDecision:
         """While drafting pays: plain steps at this batch size not measured lately. Only on
         decode steps (steps with prefill chunks are not observed), at most once per
         _PLAIN_PROBE_EVERY plans and bucket."""
-        if (not self.enabled or not self.pays or self._plain_probe_left > 0
+        if (not self.enabled or not self.plain_probes or not self.pays
+                or self._plain_probe_left > 0
                 or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
             return False
         bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode

@@ -85,24 +85,22 @@ def test_drafting_continues_when_it_pays(tiny_qwen, tmp_path):
 
 
 @pytest.mark.parametrize("probe", [True, False])
-def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, monkeypatch, caplog, probe):
+def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, caplog, probe):
     """While every step drafts, no plain step is measured and the drafting decision prices
     plain decoding with the speculative steps' fixed term, which also holds what only
-    speculation pays. A short plain probe measures it: here speculative steps pay 4 ms of
-    fixed cost and plain ones 0.2 ms, so drafting stops once plain steps are measured, and
-    never without the probe."""
+    speculation pays. With `plain_probes`, a short plain probe measures it: here speculative
+    steps pay 4 ms of fixed cost and plain ones 0.2 ms, so drafting stops once plain steps
+    are measured, and never without the probe (the default)."""
     from pathlib import Path
 
-    import dspark.spec.drafting as drafting_mod
-
-    if not probe:
-        monkeypatch.setattr(drafting_mod, "_PLAIN_PROBE_STEPS", 0)
     full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((Path(full) / "config.json").read_text())
     cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
            "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.6] * 4}
+    if probe:
+        cfg["plain_probes"] = True
     llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
     spec = llm.engine.runner.spec
     table = CostModel.from_measurements([1, 64], [1.0, 1.5], [1, 64], [0.5, 0.5],
