@@ -22,10 +22,11 @@ Two kinds of probe keep both sides of the comparison measured:
                 Without it plain decoding is priced with the speculative steps' fixed term,
                 which also holds the drafter's and verification's host work: it looks dearer
                 than it is and drafting can go on where it loses (H200, trained pair, T = 1,
-                c = 1: no speculation 24% faster). With it, a server measures plain steps too
-                cheap: two observed steps run before the streaming of their outputs slows the
-                engine as steady plain decoding does (H200, c = 128: 3.2 ms learned, 8.0 ms per
-                step of the no-speculation server), and drafting stopped where it won.
+                c = 1: no speculation 24% faster). With it, a server learned plain steps far
+                cheaper than steady plain decoding runs (H200, c = 128: 3.2 ms learned, 8.0 ms
+                per step of the no-speculation server; likely because two observed steps end
+                before the streaming of their outputs slows the engine, not measured), and
+                drafting stopped where it won.
 """
 
 from __future__ import annotations
