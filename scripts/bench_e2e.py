@@ -214,7 +214,7 @@ def graph_status(log_path: str) -> dict:
 
 def drafting_flips(log_path: str) -> list[str]:
     """The adaptive server's logged turns of drafting on or off, in order (INFO, at most one
-    per 10 s: a sample of the decisions, each with the rates it compared)."""
+    per second: a sample of the decisions, each with the rates it compared)."""
     try:
         lines = open(log_path).read().splitlines()
     except OSError:
@@ -255,7 +255,7 @@ def print_table(args, temps, results, checks, label) -> None:
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip
     flips = checks.get("drafting_flips") or []
     print(f"adaptive server: drafting turned on/off {len(flips)} times in its log (INFO, at most "
-          f"one per 10 s){'; the first 6:' if flips else ''}")
+          f"one per second){'; the first 6:' if flips else ''}")
     for line in flips[:6]:
         print(f"  drafting {line}")
     o = checks["overhead"] or {}

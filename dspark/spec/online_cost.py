@@ -21,11 +21,12 @@ Each kind is learned per sampling mode too (all rows greedy, or not: FixedCosts 
 One shared term would make whichever kind is cheaper look dearer and the other cheaper; one
 term over all batch sizes learned at 64 requests where the table overstated steps (-2.3 ms)
 made drafting look profitable at 128 where it understated them (measured on the H200: 16 ms
-speculative steps planned as 12 ms, against 9 ms plain ones). A bucket not yet measured takes
-the nearest measured one. A residual may be negative: a table profiled on a slower path than
-the one serving overstates a step, and the correction takes that back (step times stay
-floored at a positive minimum). Steps with prefill chunks are not observed: their residual
-is the table's error at thousands of tokens, not a decode step's fixed cost.
+speculative steps planned as 12 ms, against 9 ms plain ones). A bucket not yet measured
+MIN_SAMPLES times takes the nearest one that is. A residual may be negative: a table
+profiled on a slower path than the one serving overstates a step, and the correction takes
+that back (step times stay floored at a positive minimum). Steps with prefill chunks are not
+observed: their residual is the table's error at thousands of tokens, not a decode step's
+fixed cost.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from collections import deque
 
 WARMUP_STEPS = 3  # first steps compile kernels and fill caches: not representative
 WINDOW = 15  # residuals kept per kind and bucket (odd: the median is one of them)
+# a bucket measured fewer times is used only where no bucket has this many: batch sizes a
+# server passes through (requests finishing and arriving at a level's edges) are measured a
+# few times in those moments, and one such term (2.5 ms at 2-3 requests, H200, against
+# 1.4 ms speculative steps at 1 and 4) turned drafting off whenever a request finished
+MIN_SAMPLES = 8
 KINDS = ("spec", "plain", "eager")
 
 
@@ -79,8 +85,9 @@ class FixedCosts:
         return math.inf if last is None else self.steps - last
 
     def get(self, kind: str, num_reqs: int) -> float | None:
-        """The learned term of a kind at this batch size: its bucket's, else the nearest
-        measured bucket's (the smaller on a tie), else the other mode's, else None."""
+        """The learned term of a kind at this batch size: the nearest bucket's (its own
+        first, the smaller on a tie) among those measured MIN_SAMPLES times, else among all
+        measured ones, else the other mode's, else None."""
         own = self._nearest(kind, num_reqs)
         if own is None and self.fallback is not None:
             return self.fallback._nearest(kind, num_reqs)
@@ -91,7 +98,9 @@ class FixedCosts:
         if not table:
             return None
         b = size_bucket(num_reqs)
-        return table[min(table, key=lambda k: (abs(k - b), k))]
+        windows = self._recent[kind]
+        candidates = [k for k in table if len(windows[k]) >= MIN_SAMPLES] or table
+        return table[min(candidates, key=lambda k: (abs(k - b), k))]
 
     def apply(self, cost, num_reqs: int) -> bool:
         """Set the table's fixed term to the speculative steps' at this batch size (once

@@ -278,3 +278,24 @@ def test_a_pause_between_steps_does_not_move_the_learned_term():
         fc.observe("plain", 3.0, 8)
     assert fc.get("plain", 8) == 3.0
     assert fc.get("spec", 8) is None and fc.get("plain", 64) == 3.0  # nearest bucket
+
+
+def test_a_bucket_measured_a_few_times_defers_to_a_measured_neighbour():
+    """Batch sizes a server passes through (requests finishing and arriving) are measured a
+    few times in those moments: their term is used once measured MIN_SAMPLES times, before
+    that the nearest well-measured bucket's (a lone bucket's is used from its first step)."""
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    fc = FixedCosts()
+    for _ in range(WARMUP_STEPS):
+        fc.observe("spec", 0.0, 1)
+    fc.observe("spec", 2.5, 3)  # 2-3 requests: one step at a level's edge
+    assert fc.get("spec", 3) == 2.5  # nothing better measured
+    for _ in range(MIN_SAMPLES):
+        fc.observe("spec", 0.9, 1)  # steady single-request steps
+    assert fc.get("spec", 3) == 0.9 and fc.get("spec", 2) == 0.9
+    for _ in range(MIN_SAMPLES - 2):
+        fc.observe("spec", 1.2, 3)
+    assert fc.get("spec", 3) == 0.9
+    fc.observe("spec", 1.2, 3)  # its MIN_SAMPLES-th: its own median now
+    assert fc.get("spec", 3) == 1.2 and fc.get("spec", 1) == 0.9
