@@ -24,7 +24,7 @@ from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision, predicted_accepted
 from dspark.spec.host_copy import LandedCopies
-from dspark.spec.online_cost import FixedCosts
+from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.planner import Planner, decode_rate
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
@@ -93,7 +93,7 @@ class SpecDecoder:
         self._alloc_ms = 0.0
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
-        self._fixed_by_mode = _fixed_costs_by_mode()  # online fixed costs: greedy / sampled
+        self._fixed_by_mode = fixed_costs_by_mode()  # online fixed costs: greedy / sampled
         self.fixed_costs = self._fixed_by_mode[True]  # the mode of the step planned last
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
         # lagged plans (graph_trims); else a trimmed plan pays the per-phase path's extra cost
@@ -117,7 +117,7 @@ class SpecDecoder:
             and cost is not None
             and cost.provenance.get("source") == "profiled"
         )
-        self._fixed_by_mode = _fixed_costs_by_mode()
+        self._fixed_by_mode = fixed_costs_by_mode()
         self.fixed_costs = self._fixed_by_mode[True]
         self.planner = Planner(
             self._policy,
@@ -374,17 +374,8 @@ class SpecDecoder:
         return prediction
 
     def observe_acceptance(self, prediction: tuple, emitted: list, verified: list) -> None:
-        """A committed step's accepted drafts against the number its rows' confidences
-        predicted at the lengths verified (the drafting decision's acceptance ratio). Rows
-        that emitted nothing (finished meanwhile) or verified nothing are left out."""
-        rows, predicted, greedy = prediction
-        num_out = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[rows]
-        lengths = np.minimum(np.asarray(verified, dtype=np.int64)[rows], predicted.shape[1] - 1)
-        ok = np.flatnonzero((num_out > 0) & (lengths > 0))
-        if ok.size:
-            self.drafting.observe_acceptance(
-                greedy, float(np.minimum(num_out[ok] - 1, lengths[ok]).sum()),
-                float(predicted[ok, lengths[ok]].sum()))  # fmt: skip
+        """A committed step's accepted drafts against its prediction (`take_prediction`)."""
+        self.drafting.check_prediction(prediction, emitted, verified)
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
                           tag: tuple[str, float, bool] | None) -> None:
@@ -410,10 +401,3 @@ class SpecDecoder:
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:
         return decoder_metrics(self)
-
-
-def _fixed_costs_by_mode() -> dict[bool, FixedCosts]:
-    """One FixedCosts per sampling mode (all rows greedy: True), each the other's fallback."""
-    greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
-    greedy.fallback, sampled.fallback = sampled, greedy
-    return {True: greedy, False: sampled}

@@ -97,6 +97,19 @@ class DraftingDecision:
         sums[0] = _ACCEPT_DECAY * sums[0] + accepted
         sums[1] = _ACCEPT_DECAY * sums[1] + predicted
 
+    def check_prediction(self, prediction: tuple, emitted: list, verified: list) -> None:
+        """A committed step's accepted drafts against the number its rows' confidences
+        predicted at the lengths verified: prediction = (rows, predicted_accepted of their
+        confidences, sampling mode); emitted / verified per row of the step. Rows that emitted
+        nothing (finished meanwhile) or verified nothing are left out."""
+        rows, predicted, greedy = prediction
+        num_out = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[rows]
+        lengths = np.minimum(np.asarray(verified, dtype=np.int64)[rows], predicted.shape[1] - 1)
+        ok = np.flatnonzero((num_out > 0) & (lengths > 0))
+        if ok.size:
+            self.observe_acceptance(greedy, float(np.minimum(num_out[ok] - 1, lengths[ok]).sum()),
+                                    float(predicted[ok, lengths[ok]].sum()))  # fmt: skip
+
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
         accepted, predicted = self._accepted[greedy]

@@ -116,3 +116,10 @@ class FixedCosts:
         """Measured extra fixed cost of an eager (trimmed) step over a whole-step graph."""
         eager = self.get("eager", num_reqs)
         return 0.0 if eager is None else max(0.0, eager - spec_ms)
+
+
+def fixed_costs_by_mode() -> dict[bool, FixedCosts]:
+    """One FixedCosts per sampling mode (all rows greedy: True), each the other's fallback."""
+    greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
+    greedy.fallback, sampled.fallback = sampled, greedy
+    return {True: greedy, False: sampled}
