@@ -27,6 +27,7 @@ import httpx
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from dspark.spec.drafting import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
+from dspark.spec.online_cost import bucket_label, size_bucket  # noqa: E402
 from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
 
 
@@ -222,6 +223,20 @@ def drafting_flips(log_path: str) -> list[str]:
     return [line.split(FLIP_LOG_PREFIX, 1)[1] for line in lines if FLIP_LOG_PREFIX in line]
 
 
+def decision_state(delta: dict, conc: int, temp: float) -> str | None:
+    """The adaptive server's learned fixed terms at `conc` requests and its acceptance ratio
+    (sampling mode of `temp`), read from /metrics at the end of a level."""
+    mode = "greedy" if temp == 0 else "sampled"
+    terms = (delta.get("learned_fixed_ms") or {}).get(mode) or {}
+    ratio = (delta.get("acceptance_ratio") or {}).get(mode)
+    if not terms and ratio is None:
+        return None
+    batch = bucket_label(size_bucket(conc))
+    spec, plain = ((terms.get(kind) or {}).get(batch) for kind in ("spec", "plain"))
+    ms = "/".join("-" if v is None else f"{v:.2f}" for v in (spec, plain))
+    return ms + ("" if ratio is None else f"; {ratio:.2f}")
+
+
 def print_table(args, temps, results, checks, label) -> None:
     names = list(arms(args))
     print(f"\n=== {label}end-to-end: output tok/s (TPOT p50 ms | acceptance length) ===")
@@ -243,13 +258,20 @@ def print_table(args, temps, results, checks, label) -> None:
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
                   + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
-        kinds = [((r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
-                  or {}).get("steps_by_kind") for r in results[(names[2], t)]["results"]]
+        deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
+                  or {} for r in results[(names[2], t)]["results"]]  # fmt: skip
+        kinds = [d.get("steps_by_kind") for d in deltas]
         if any(kinds):  # what the adaptive server ran at each level
             print(f"{names[2]} steps by kind ({' / '.join(STEP_KINDS)}): " + ", ".join(
                 f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}"
                                                           for x in STEP_KINDS)
                 for lvl, k in zip(levels, kinds)))  # fmt: skip
+        states = [decision_state(d, lvl["max_concurrency"], t) for lvl, d in zip(levels, deltas)]
+        if any(states):  # what its drafting decision stood on at the end of each level
+            print(f"{names[2]} learned fixed terms at the level's batch size (speculative / "
+                  "plain ms; acceptance ratio): " + ", ".join(
+                      f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
+                      if st))  # fmt: skip
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip

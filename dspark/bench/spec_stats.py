@@ -4,6 +4,7 @@ steps by kind)."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,6 +22,9 @@ SPEC_COUNTERS = {
 SPEC_FIELDS = tuple(SPEC_COUNTERS)
 # a speculative server's steps by kind (a kind's series appears once it has counted a step)
 STEP_KIND_METRIC = "dspark_spec_steps_total"
+# the adaptive policy's drafting decision: learned fixed terms and acceptance ratio (gauges)
+LEARNED_METRIC = "dspark_spec_learned_fixed_ms"
+RATIO_METRIC = "dspark_spec_acceptance_ratio"
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -78,8 +82,27 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
     if len(found) != len(SPEC_COUNTERS):
         return None
     kinds = series_by_label(text, STEP_KIND_METRIC, "kind")
+    state = {"learned_fixed_ms": learned_terms(text),
+             "acceptance_ratio": series_by_label(text, RATIO_METRIC, "mode")}
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
-        f"steps:{kind}": v for kind, v in kinds.items()}
+        f"steps:{kind}": v for kind, v in kinds.items()} | {k: v for k, v in state.items() if v}
+
+
+def learned_terms(text: str) -> dict[str, dict[str, dict[str, float]]]:
+    """{mode: {kind: {batch range: ms}}} from the learned-fixed-term gauges."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for line in text.splitlines():
+        if not line.startswith(LEARNED_METRIC + "{"):
+            continue
+        labels_text, _, value = line[len(LEARNED_METRIC) + 1 :].rpartition("}")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
+        try:
+            ms = float(value.split()[0])
+            found.setdefault(labels["mode"], {}).setdefault(labels["kind"], {})[
+                labels["batch"]] = ms
+        except (KeyError, ValueError, IndexError):
+            continue
+    return found
 
 
 def series_by_label(text: str, name: str, label: str) -> dict[str, float]:
@@ -108,4 +131,7 @@ def spec_from_counters(before: dict | None, after: dict | None, num_requests: in
              for k in after if k.startswith("steps:")}  # fmt: skip
     if kinds:  # the server's steps during the level, by kind
         summary["steps_by_kind"] = kinds
+    for key in ("learned_fixed_ms", "acceptance_ratio"):  # the decision's state at the end
+        if key in after:
+            summary[key] = after[key]
     return summary

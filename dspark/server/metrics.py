@@ -108,6 +108,20 @@ class ServerMetrics:
         self.predicted_gain = Gauge(
             "dspark_spec_predicted_gain", "Predicted gain of the last verify plan.", registry=r
         )
+        self.learned_fixed = Gauge(
+            "dspark_spec_learned_fixed_ms", "Fixed per-step cost learned online (adaptive "
+            "verification), by sampling mode, kind of step and batch-size range.",
+            ["mode", "kind", "batch"], registry=r,
+        )  # fmt: skip
+        self.acceptance_ratio = Gauge(
+            "dspark_spec_acceptance_ratio", "Drafts accepted / predicted by the confidences "
+            "lately (the drafting decision's correction), by sampling mode.", ["mode"],
+            registry=r,
+        )  # fmt: skip
+        self.drafting = Gauge(
+            "dspark_spec_drafting", "1 while the adaptive policy drafts, 0 while it skips.",
+            registry=r,
+        )  # fmt: skip
         self.cost_table = Info(
             "dspark_spec_cost_table", "Status of the verification cost table.", registry=r
         )
@@ -175,6 +189,14 @@ class ServerMetrics:
             value = rt.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 gauge.set(float(value))
+        for mode, kinds in (rt.get("learned_fixed_ms") or {}).items():
+            for kind, terms in kinds.items():
+                for batch, ms in terms.items():
+                    self.learned_fixed.labels(mode=mode, kind=kind, batch=batch).set(float(ms))
+        for mode, ratio in (rt.get("acceptance_ratio") or {}).items():
+            self.acceptance_ratio.labels(mode=mode).set(float(ratio))
+        if isinstance(rt.get("drafting"), bool):
+            self.drafting.set(1.0 if rt["drafting"] else 0.0)
         status = rt.get("cost_table_status")
         if status is not None and str(status) != self._cost_status:
             self._cost_status = str(status)

@@ -50,6 +50,12 @@ def size_bucket(num_reqs: int) -> int:
     return max(int(num_reqs), 1).bit_length()
 
 
+def bucket_label(bucket: int) -> str:
+    """The request counts of a bucket: "1", "2-3", "4-7", ..."""
+    lo, hi = 1 << (bucket - 1), (1 << bucket) - 1
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 class FixedCosts:
     """The learned terms of one sampling mode: steps whose rows are all greedy, or sampled
     ones (their verification and drafting sample over the vocabulary: on the H200's 33.6 M
@@ -101,6 +107,11 @@ class FixedCosts:
         windows = self._recent[kind]
         candidates = [k for k in table if len(windows[k]) >= MIN_SAMPLES] or table
         return table[min(candidates, key=lambda k: (abs(k - b), k))]
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Every learned term: {kind: {batch-size range ("4-7"): ms}} (for /metrics)."""
+        return {kind: {bucket_label(b): v for b, v in sorted(terms.items())}
+                for kind, terms in self._term.items() if terms}  # fmt: skip
 
     def apply(self, cost, num_reqs: int) -> bool:
         """Set the table's fixed term to the speculative steps' at this batch size (once

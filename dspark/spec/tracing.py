@@ -48,6 +48,9 @@ def trace_record(inp, num_out: torch.Tensor, conf: torch.Tensor, conf_logits: to
     }
 
 
+_MODES = {True: "greedy", False: "sampled"}  # a step's sampling mode: all rows greedy, or not
+
+
 def decoder_metrics(sd) -> dict:
     """A SpecDecoder's policy state for /metrics and reports: the last plan, the cost table's
     status, the fixed terms learned online at the last planned batch size."""
@@ -65,6 +68,9 @@ def decoder_metrics(sd) -> dict:
             cost.fixed_overhead_ms, reqs),
         "confidence_source": "head" if sd.use_head else "online",
         "drafting": sd.draft_enabled,
+        # by sampling mode: every learned fixed term, and the decision's acceptance ratio
+        "learned_fixed_ms": {_MODES[g]: fc.snapshot() for g, fc in sd._fixed_by_mode.items()},
+        "acceptance_ratio": {_MODES[g]: sd.drafting.acceptance_ratio(g) for g in _MODES},
         "step_counts": dict(sd.step_counts),
     }
 

@@ -330,7 +330,12 @@ def test_spec_metrics_from_snapshot_deltas():
             "spec_verified_per_pos": [10, 8], "generation_tokens": 40, "prefix_queries": 100,
             "prefix_hits": 25, "spec_runtime": {"budget": 48, "predicted_gain": 0.3,
                                                 "cost_table_status": "loaded",
-                                                "step_counts": {"plain": 4, "verify": 6}}}
+                                                "step_counts": {"plain": 4, "verify": 6},
+                                                "drafting": False,
+                                                "acceptance_ratio": {"greedy": 1.25},
+                                                "learned_fixed_ms": {"greedy": {
+                                                    "spec": {"4-7": 1.5, "8-15": 2.0},
+                                                    "plain": {"4-7": 0.25}}}}}
     m.update_from_snapshot(snap, alive=True)
     later = {**snap["spec_runtime"], "step_counts": {"plain": 9, "verify": 6, "mixed": 2}}
     m.update_from_snapshot({**snap, "spec_drafted": 77, "spec_num_steps": 11,
@@ -350,3 +355,9 @@ def test_spec_metrics_from_snapshot_deltas():
     assert got[("dspark_spec_steps_total", (("kind", "mixed"),))] == 2
     assert got[("dspark_spec_cost_table_info", (("status", "loaded"),))] == 1
     assert got[("dspark_prefix_cache_hit_rate", ())] == 0.25
+    # what the drafting decision stood on: learned fixed terms, acceptance ratio, its state
+    learned = "dspark_spec_learned_fixed_ms"
+    assert got[(learned, (("batch", "8-15"), ("kind", "spec"), ("mode", "greedy")))] == 2.0
+    assert got[(learned, (("batch", "4-7"), ("kind", "plain"), ("mode", "greedy")))] == 0.25
+    assert got[("dspark_spec_acceptance_ratio", (("mode", "greedy"),))] == 1.25
+    assert got[("dspark_spec_drafting", ())] == 0.0

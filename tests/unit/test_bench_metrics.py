@@ -157,6 +157,29 @@ dspark_spec_steps_created{kind="plain"} 1.7e9
     assert s["steps_by_kind"] == {"plain": 12.0, "verify": 3.0, "mixed": 2.0}
 
 
+def test_the_drafting_decisions_state_from_a_servers_metrics():
+    """The learned fixed terms and acceptance ratio a server renders (ServerMetrics) are read
+    back per level: the state the adaptive policy's drafting decision stood on."""
+    from dspark.bench.spec_stats import learned_terms
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+    learned = {"greedy": {"spec": {"1": 0.9, "4-7": 1.25}, "plain": {"4-7": 0.5}},
+               "sampled": {"spec": {"64-127": 9.5}}}
+    m.update_from_snapshot({"spec_enabled": True, "spec_runtime": {
+        "learned_fixed_ms": learned, "acceptance_ratio": {"greedy": 1.5, "sampled": 1.0}}},
+        alive=True)  # fmt: skip
+    text = m.render()[0].decode()
+    assert learned_terms(text) == learned
+    assert series_by_label(text, "dspark_spec_acceptance_ratio", "mode") == {"greedy": 1.5,
+                                                                              "sampled": 1.0}
+    base = {"num_drafted_tokens": 0, "num_verified_tokens": 0, "num_accepted_tokens": 0,
+            "num_steps": 0}
+    after = base | {"num_steps": 3, "num_drafted_tokens": 21, "learned_fixed_ms": learned}
+    s = spec_from_counters(base, after, num_requests=4)
+    assert s["learned_fixed_ms"] == learned and "acceptance_ratio" not in s
+
+
 # ----------------------------------------------------------------------------- datasets
 
 

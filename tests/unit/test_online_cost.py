@@ -119,6 +119,11 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     spec.fixed_costs.apply(cost, reqs)
     spec._step_reqs = reqs
     assert spec.metrics()["plain_fixed_overhead_ms"] == pytest.approx(1.0, rel=1e-3)
+    learned = spec.metrics()["learned_fixed_ms"]  # every term, for /metrics
+    assert learned["sampled"] == {} and set(learned["greedy"]) == {"spec", "plain"}
+    assert learned["greedy"]["spec"] == pytest.approx({"8-15": 3.0, "64-127": 7.0}, rel=1e-3)
+    assert learned["greedy"]["plain"] == pytest.approx({"8-15": 1.0}, rel=1e-3)
+    assert spec.metrics()["acceptance_ratio"] == {"greedy": 1.0, "sampled": 1.0}
     spec._step_other = 5  # a step with a prefill chunk is not observed
     assert spec.step_tag() is None
     # the decision uses the plain term for plain decoding: with plain steps made expensive,

@@ -124,6 +124,14 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
             kinds = delta["steps_by_kind"]
             assert set(kinds) <= {"plain", "draft", "verify", "mixed"}
             assert sum(kinds.values()) > 0
+    # ... and what its drafting decision stood on (learned terms, acceptance ratio)
+    states = [lv["spec_decode"].get("metrics_delta") or {}
+              for lv in summary["results"]["adaptive7@0"]]  # fmt: skip
+    for st in states:
+        for kinds in (st.get("learned_fixed_ms") or {}).values():
+            assert set(kinds) <= {"spec", "plain", "eager"} and all(kinds.values())
+    if any("acceptance_ratio" in st for st in states):
+        assert "adaptive7 learned fixed terms at the level's batch size" in proc.stdout
 
 
 def test_bench_e2e_reads_drafting_flips_from_a_server_log(tmp_path):
