@@ -4,8 +4,9 @@ Drafting has a cost no trimming removes (the drafter's pass), so at high load or
 plain decoding can win. Every few steps the decision compares the best decode-only step with
 drafts (every request verifying l drafts of the mean stale prefix survival, its drafter paid)
 against plain decoding, each priced by the cost table with its own fixed term learned online
-(online_cost.py). It reads only stale, aggregate survival, never the drafts it gates, so a
-skipped round is plain decoding and the output is unchanged (lossless).
+(online_cost.py); drafting turns on or off after two decisions in a row against its state.
+It reads only stale, aggregate survival, never the drafts it gates, so a skipped round is
+plain decoding and the output is unchanged (lossless).
 
 The survival estimate is the confidences' (one per sampling mode), scaled by how many drafts
 were accepted against how many the same confidences predicted at the lengths verified: a
@@ -49,6 +50,11 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 # scheduling two of the others are observed (a step left in flight is observed by the next call)
 _PLAIN_PROBE_STEPS = 4
 _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
+# drafting turns on / off after this many consecutive decisions against its state: a server
+# passes through batch sizes for a step or two (a request finished, the next not yet arrived),
+# the decision re-runs at once when the batch size moves by a quarter, and single verdicts
+# there turned drafting off at c = 4 (logged at 3 requests; H200, trained pair)
+_FLIP_AFTER = 2
 _FLIP_LOG_EVERY_S = 1.0  # drafting turned on / off: logged at INFO at most this often
 _ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
 _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used
@@ -68,6 +74,9 @@ class DraftingDecision:
         # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
         self._accepted = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.pays = True
+        self._against = 0  # consecutive decisions against the current state (see _FLIP_AFTER)
+        self._decided = False  # a verdict on real numbers has set the state
+        self._numbers: tuple | None = None  # the last decision's rates and terms (for the log)
         self._since_decision, self._decided_reqs = 0, 0
         self._skipped = 0  # consecutive steps that skipped drafting
         self._plans = 0
@@ -133,7 +142,18 @@ class DraftingDecision:
         measure them)."""
         self._plans += 1
         if decide:  # on decode steps' economics (prefill chunks come and go)
-            self.pays = self._pays(cost, fixed, num_sampling)
+            verdict = self._pays(cost, fixed, num_sampling)
+            if verdict == self.pays:
+                self._against = 0
+            else:
+                self._against += 1
+                # (the first verdict on real numbers overrides the default state at once)
+                first = self._numbers is not None and not self._decided
+                if first or self._against >= _FLIP_AFTER:
+                    self.pays, self._against = verdict, 0
+                    if self._numbers is not None:
+                        self._log_flip(verdict, *self._numbers)
+            self._decided = self._decided or self._numbers is not None
             self._since_decision, self._decided_reqs = 0, num_reqs
         if online and self._plain_probe_due(fixed, num_sampling, prefill_tokens):
             self._plain_probe_left = _PLAIN_PROBE_STEPS
@@ -152,16 +172,16 @@ class DraftingDecision:
         """Draft only if some verify length beats plain decoding by the guard margin once the
         drafter's own cost is paid. Judged for a decode step of the sampling requests."""
         survival = self.estimate(fixed.greedy)
+        self._numbers = None
         if not self.enabled or survival is None or num_sampling == 0:
             return True
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
-        pays = spec > plain * (1.0 + self.min_predicted_gain)
-        if pays != self.pays:
-            self._log_flip(pays, num_sampling, spec, plain, cost.fixed_overhead_ms,
-                           plain_fixed, fixed.age("plain", num_sampling) < math.inf,
-                           survival, self.acceptance_ratio(fixed.greedy))  # fmt: skip
-        return pays
+        # (what a flip is logged with)
+        self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
+                         fixed.age("plain", num_sampling) < math.inf, survival,
+                         self.acceptance_ratio(fixed.greedy))  # fmt: skip
+        return spec > plain * (1.0 + self.min_predicted_gain)
 
     def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
         """While drafting pays: plain steps at this batch size not measured lately. Only on

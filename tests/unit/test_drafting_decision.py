@@ -173,3 +173,30 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
     for _ in range(40):  # bounded: a ratio never claims more than twice or half the drafts
         d.observe_acceptance(False, accepted=0.0, predicted=8.0)
     assert d.acceptance_ratio(False) == 0.5
+
+
+def test_drafting_turns_after_two_decisions_against_it(caplog):
+    """A server passes through batch sizes for a step or two (a request finished, the next
+    not yet arrived) and the decision re-runs at once when the batch size moves by a quarter:
+    drafting turns on or off only after two decisions in a row against its state (the first
+    verdict on real numbers sets the state at once). Each turn is logged with its numbers."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
+    high, low = np.array([0.9, 0.81, 0.73, 0.66]), np.array([0.3, 0.09, 0.03, 0.01])
+
+    def decide(survival) -> bool:  # a decision step on this survival: whether it drafts
+        d._survival[True] = d.survival = survival
+        return d.after_plan(True, cost, fixed, False, 4, 4, 0)[0]
+
+    with caplog.at_level(logging.DEBUG, logger="dspark.spec.drafting"):
+        assert decide(low) is False  # the first verdict: at once
+        assert [decide(s) for s in (high, low, high, high)] == [False, False, False, True]
+        assert [decide(s) for s in (low, high, low, low)] == [True, True, True, False]
+    flips = [r.getMessage().split(" at ")[0] for r in caplog.records]
+    assert flips == ["adaptive verification: drafting " + w for w in ("off", "on", "off")]
