@@ -26,6 +26,7 @@ import httpx
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+from dspark.spec.confidence import SAMPLING_MODES  # noqa: E402
 from dspark.spec.drafting import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 from dspark.spec.online_cost import bucket_label, size_bucket  # noqa: E402
 from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
@@ -226,7 +227,7 @@ def drafting_flips(log_path: str) -> list[str]:
 def decision_state(delta: dict, conc: int, temp: float) -> str | None:
     """The adaptive server's learned fixed terms at `conc` requests and its acceptance ratio
     (sampling mode of `temp`), read from /metrics at the end of a level."""
-    mode = "greedy" if temp == 0 else "sampled"
+    mode = SAMPLING_MODES[0 if temp == 0 else 1]  # (greedy, sampled)
     terms = (delta.get("learned_fixed_ms") or {}).get(mode) or {}
     ratio = (delta.get("acceptance_ratio") or {}).get(mode)
     if not terms and ratio is None:

@@ -190,9 +190,9 @@ class SpecDecoder:
                 drafting_rows = np.flatnonzero(caps)
                 stale = self._stale(slots)[drafting_rows]
                 greedy = self.fixed_costs.greedy
-                self.drafting.update_survival(stale, greedy)
+                survival = self.drafting.update_survival(stale, greedy)
                 # checked against the drafts this step accepts (observe_acceptance)
-                self._prediction = (drafting_rows, predicted_accepted(stale), greedy)
+                self._prediction = (drafting_rows, predicted_accepted(survival), greedy)
         self.last_budget = budget
         self.draft_enabled, self.probing = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.planner import decode_rates, mean_survival
+from dspark.spec.planner import decode_rates, prefix_survival
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +90,16 @@ class DraftingDecision:
         return (self._since_decision >= _DECIDE_EVERY or self.survival is None
                 or abs(num_reqs - self._decided_reqs) * 4 > num_reqs)  # fmt: skip
 
-    def update_survival(self, stale: np.ndarray, greedy: bool = True) -> None:
+    def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
         """Fold the rows with drafts' stale confidences into the sampling mode's survival
-        estimate (EMA over decision steps; unknown confidences count as 1)."""
-        survival = mean_survival(stale)
-        if survival is not None:
-            prev = self._survival.get(greedy)
+        estimate (EMA over decision steps; unknown confidences count as 1). Returns the rows'
+        prefix survivals (what `predicted_accepted` sums)."""
+        rows = prefix_survival(stale)
+        if rows.size:
+            survival, prev = rows.mean(axis=0), self._survival.get(greedy)
             self.survival = survival if prev is None else 0.2 * survival + 0.8 * prev
             self._survival[greedy] = self.survival
+        return rows
 
     def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
         """Drafts accepted in a verified step against the number its rows' confidences
@@ -221,10 +223,8 @@ class DraftingDecision:
                    plain, [round(float(s), 2) for s in survival], ratio)  # fmt: skip
 
 
-def predicted_accepted(stale: np.ndarray) -> np.ndarray:
+def predicted_accepted(survival: np.ndarray) -> np.ndarray:
     """[rows, K + 1]: the drafts each row is expected to get accepted if it verifies
-    l = 0..K of them (the sum of its first l prefix survivals), from stale conditional
-    confidences (unknown ones: 1)."""
-    conf = np.clip(np.nan_to_num(stale, nan=1.0), 0.0, 1.0)
-    cum = np.cumsum(np.cumprod(conf, axis=1), axis=1)
+    l = 0..K of them (the sum of its first l prefix survivals, [rows, K])."""
+    cum = np.cumsum(survival, axis=1)
     return np.concatenate([np.zeros((cum.shape[0], 1)), cum], axis=1)

@@ -177,13 +177,19 @@ def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
     return max(decode_rates(cost, survival, num_reqs, plain_fixed_ms))
 
 
+def prefix_survival(stale: np.ndarray, prior_conf: float = 1.0) -> np.ndarray:
+    """[R, K] prefix survival of each row's drafts from stale conditional confidences
+    (unknown ones: the prior)."""
+    conf = np.clip(np.where(np.isnan(stale), prior_conf, stale), 0.0, 1.0)
+    return np.cumprod(conf, axis=1)
+
+
 def mean_survival(stale: np.ndarray | None, prior_conf: float = 1.0) -> np.ndarray | None:
     """Mean prefix survival per position over rows of stale conditional confidences (unknown
     ones: the prior)."""
     if stale is None or stale.size == 0:
         return None
-    conf = np.clip(np.where(np.isnan(stale), prior_conf, stale), 0.0, 1.0)
-    return np.cumprod(conf, axis=1).mean(axis=0)
+    return prefix_survival(stale, prior_conf).mean(axis=0)
 
 
 # ---------------------------------------------------------------------- device side

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from dspark.spec.confidence import SAMPLING_MODES
+
 
 class Timer:
     """Times a region on the device (CUDA events, read lazily) or on the host clock.
@@ -48,7 +50,8 @@ def trace_record(inp, num_out: torch.Tensor, conf: torch.Tensor, conf_logits: to
     }
 
 
-_MODES = {True: "greedy", False: "sampled"}  # a step's sampling mode: all rows greedy, or not
+# a step's sampling mode (all rows greedy, or not) by the names STS files use
+_MODES = dict(zip((True, False), SAMPLING_MODES))
 
 
 def decoder_metrics(sd) -> dict:

@@ -146,13 +146,14 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
 
     from dspark.spec.drafting import DraftingDecision, predicted_accepted
     from dspark.spec.online_cost import FixedCosts
+    from dspark.spec.planner import prefix_survival
 
     # plain decoding 1 token per ms; drafting costs another ms: it pays above ~1.1 survivals
     cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
                               draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
     greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
     stale = np.full((8, 4), 0.5)
-    predicted = predicted_accepted(stale)
+    predicted = predicted_accepted(prefix_survival(stale))
     np.testing.assert_allclose(predicted[0], [0.0, 0.5, 0.75, 0.875, 0.9375])
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     d.update_survival(stale, greedy=True)
