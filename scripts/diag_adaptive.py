@@ -169,7 +169,7 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     lines = [f"  {toks / wall:.1f} output tok/s over the run ({wall:.2f} s, {what})"]
     lines += summarize(log.records, spec)
     if args.serving and spec is not None:
-        learned = {"greedy" if g else "sampled": fc._term for g, fc in spec._fixed_by_mode.items()}
+        learned = spec.metrics()["learned_fixed_ms"]  # (as /metrics shows them)
         lines.append(f"  learned fixed terms by sampling mode and batch-size bucket: {learned}")
     elif spec is not None and spec.cost is not None:
         lines += table_view(spec, conc)
