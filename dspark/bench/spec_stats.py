@@ -91,32 +91,31 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
 def learned_terms(text: str) -> dict[str, dict[str, dict[str, float]]]:
     """{mode: {kind: {batch range: ms}}} from the learned-fixed-term gauges."""
     found: dict[str, dict[str, dict[str, float]]] = {}
-    for line in text.splitlines():
-        if not line.startswith(LEARNED_METRIC + "{"):
-            continue
-        labels_text, _, value = line[len(LEARNED_METRIC) + 1 :].rpartition("}")
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
-        try:
-            ms = float(value.split()[0])
+    for labels, ms in labelled_series(text, LEARNED_METRIC):
+        if {"mode", "kind", "batch"} <= labels.keys():
             found.setdefault(labels["mode"], {}).setdefault(labels["kind"], {})[
                 labels["batch"]] = ms
-        except (KeyError, ValueError, IndexError):
-            continue
     return found
 
 
 def series_by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """The values of a metric's series keyed by one label's value, from series rendered as
-    `name{label="value"} number` (Prometheus text format)."""
-    prefix = f'{name}{{{label}="'
-    found: dict[str, float] = {}
+    """The values of a metric's series keyed by one label's value."""
+    return {labels[label]: v for labels, v in labelled_series(text, name) if label in labels}
+
+
+def labelled_series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of each series of a metric rendered as `name{a="x",b="y"} number`
+    (Prometheus text format); unparsable lines are skipped."""
+    found = []
     for line in text.splitlines():
-        if line.startswith(prefix):
-            value, _, rest = line[len(prefix):].partition('"')
-            try:
-                found[value] = float(rest[rest.index("}") + 1 :].split()[0])
-            except (ValueError, IndexError):
-                continue
+        if not line.startswith(name + "{"):
+            continue
+        labels_text, _, value = line[len(name) + 1 :].rpartition("}")
+        try:
+            found.append((dict(re.findall(r'(\w+)="([^"]*)"', labels_text)),
+                          float(value.split()[0])))  # fmt: skip
+        except (ValueError, IndexError):
+            continue
     return found
 
 
