@@ -32,19 +32,19 @@ def _run(target, drafter, rates, k=4, n=24, setup=None, **spec):
     outs = llm.generate([{"prompt_token_ids": list(range(3, 3 + i % 7 + 2))} for i in range(n)],
                         params)  # fmt: skip
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
-    return llm.engine.spec_stats if setup is None else llm
+    return llm
 
 
 def test_rates_one_and_zero(tiny_qwen, config_only_drafter):
-    st = _run(tiny_qwen, config_only_drafter, [1.0] * 4)
+    st = _run(tiny_qwen, config_only_drafter, [1.0] * 4).engine.spec_stats
     assert st.num_accepted_tokens == st.num_verified_tokens == st.num_drafted_tokens > 0
-    st = _run(tiny_qwen, config_only_drafter, [0.0] * 4)
+    st = _run(tiny_qwen, config_only_drafter, [0.0] * 4).engine.spec_stats
     assert st.num_accepted_tokens == 0 and st.num_steps > 0
 
 
 def test_per_position_rates_are_honoured(tiny_qwen, config_only_drafter):
     rates = [0.9, 0.7, 0.5, 0.3]
-    st = _run(tiny_qwen, config_only_drafter, rates, n=48)
+    st = _run(tiny_qwen, config_only_drafter, rates, n=48).engine.spec_stats
     d = st.as_dict()
     cond = d["conditional_acceptance_per_position"]
     for j, (got, want) in enumerate(zip(cond, rates)):
@@ -63,7 +63,8 @@ def test_adaptive_trims_low_survival_positions(tiny_qwen, config_only_drafter, t
     CostModel.analytic(weight_read_ms=0.01, ms_per_token=1.0, fixed_overhead_ms=4.0,
                        draft_base_ms=0.0, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
     st = _run(tiny_qwen, config_only_drafter, [0.95, 0.9, 0.3, 0.1],
-              adaptive_policy="lagged", cost_table_path=path, min_predicted_gain=0.0)
+              adaptive_policy="lagged", cost_table_path=path,
+              min_predicted_gain=0.0).engine.spec_stats
     assert st.verified_per_pos[0] > 0
     assert st.verified_per_pos[3] < 0.5 * st.verified_per_pos[0]  # deep slots mostly trimmed
 
@@ -84,7 +85,7 @@ def test_plain_steps_sample_plainly_in_synthetic_mode(tiny_qwen, config_only_dra
         monkeypatch.setattr(decoder_mod, name, lambda *a, _fn=fn, _n=name, **k: (
             calls.append(_n), _fn(*a, **k))[1])
     st = _run(tiny_qwen, config_only_drafter, [0.5] * 4, adaptive_policy="lagged",
-              cost_table_path=path)
+              cost_table_path=path).engine.spec_stats
     assert st.num_steps > 0 and "verify_synthetic" in calls  # probes still verify drafts
     assert calls.count("sample_step") > 5 * calls.count("verify_synthetic")
 
