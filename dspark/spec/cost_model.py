@@ -212,10 +212,17 @@ class CostModel:
         dense tables built once (the planner calls this every step; interpolating each time
         costs tens of microseconds). The fixed term is added at lookup: it is corrected
         online."""
+        return self.add_fixed(self.variable_lookup(num_tokens, num_reqs))
+
+    def variable_lookup(self, num_tokens: np.ndarray, num_reqs: int) -> np.ndarray:
+        """The drafter + verify part of `step_time_lookup` (fixed by the table: cacheable)."""
         n = np.asarray(num_tokens, dtype=np.int64)
         verify = self._verify_table(int(n.max()) + 1 if n.size else 1)
-        draft = self.draft_lookup(num_reqs)
-        return np.maximum(self.fixed_overhead_ms + (draft + verify[n]), _MIN_STEP_MS)
+        return self.draft_lookup(num_reqs) + verify[n]
+
+    def add_fixed(self, variable_ms):
+        """Step times from their variable parts (variable_lookup) and the current fixed term."""
+        return np.maximum(self.fixed_overhead_ms + variable_ms, _MIN_STEP_MS)
 
     def draft_lookup(self, num_reqs: int) -> float:
         """`draft_cost_ms` of one request count, cached."""

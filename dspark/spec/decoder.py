@@ -31,6 +31,8 @@ from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, t
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
+REUSE_CLEAR_PLANS = 4  # a clear verify-all plan stands for this many plans (Planner)
+
 
 class SpecDecoder:
     def __init__(
@@ -125,6 +127,7 @@ class SpecDecoder:
             min_predicted_gain=self.sc.min_predicted_gain,
             threshold=self.sc.confidence_threshold,
             snap_to_graphs=self.sc.snap_budget_to_graphs,
+            reuse_clear_plans=REUSE_CLEAR_PLANS,
         )
 
     @property

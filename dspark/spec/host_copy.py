@@ -32,12 +32,12 @@ class LandedCopies:
         self._staging = [torch.full(shape, fill, dtype=torch.float32, pin_memory=pin)
                          for _ in range(depth)]  # fmt: skip
         self._events: list = [None] * depth
-        self._gen = [0] * depth  # generation of the copy each buffer holds (0: none)
         self._pushed = 0  # generations handed out
         self._host_gen = 0  # generation `host` holds
 
     def push(self, src: torch.Tensor) -> None:
-        """Queue a copy of `src` (on the current stream) into the next staging buffer."""
+        """Queue a copy of `src` (on the current stream) into the next staging buffer: copy
+        (generation) g goes to buffer (g - 1) % depth."""
         i = self._pushed % len(self._staging)
         self._pushed += 1
         self._staging[i].copy_(src, non_blocking=True)
@@ -45,17 +45,16 @@ class LandedCopies:
             if self._events[i] is None:
                 self._events[i] = self._new_event()
             self._events[i].record()
-        self._gen[i] = self._pushed
 
     def read(self) -> np.ndarray:
         """The newest landed copy (or the previous read's, or the fill), never waiting."""
-        for i in sorted(range(len(self._gen)), key=lambda j: -self._gen[j]):
-            if self._gen[i] <= self._host_gen:
-                break  # nothing newer than what the host already holds
+        depth = len(self._staging)
+        for gen in range(self._pushed, max(self._host_gen, self._pushed - depth), -1):
+            i = (gen - 1) % depth  # newest first; older than the host's copy: nothing new
             ev = self._events[i]
             if ev is None or ev.query():
                 self.host.copy_(self._staging[i])
-                self._host_gen = self._gen[i]
+                self._host_gen = gen
                 break
         return self.host.numpy()
 

@@ -29,7 +29,7 @@ information available before draft j was sampled. The allowed policies:
 A global argmax over *current* confidences is NOT allowed (paper Appendix A; see
 tests/unit/test_lossless_policies.py).
 
-Host functions are pure numpy; device functions are sync-free torch (no .item()/.cpu()).
+Host functions (here) are pure numpy; device functions (allocation.py) are sync-free torch.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dspark.spec.allocation import (
+    allocate_top_b,
+    early_stop_lengths,
+    fixed_lengths,
+    threshold_lengths,
+)
 from dspark.spec.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
@@ -66,10 +72,11 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> n
     s = None if stale_conf is None else np.asarray(stale_conf, dtype=np.float64)
     if s is not None and s.ndim == 2 and s.shape[0] >= num_reqs and s.shape[1] >= k:
         conf = s[:num_reqs, :k]  # every row known (hot path: every lagged step)
-        if prior_conf == 1.0:  # fmin drops NaN: unknown -> 1.0, then clipped (two calls)
-            conf = np.fmax(np.fmin(conf, 1.0), 0.0)
+        if prior_conf == 1.0:  # fmin drops NaN: unknown -> 1.0, clipped in the same two calls
+            conf = np.fmin(conf, 1.0)
         else:
             conf = np.where(np.isnan(conf), prior_conf, conf)
+            np.fmin(conf, 1.0, out=conf)
     else:  # rows or columns missing: the prior fills them
         conf = np.full((num_reqs, k), np.nan)
         if s is not None:
@@ -78,7 +85,8 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> n
             rows, cols = min(num_reqs, s.shape[0]), min(k, s.shape[1])
             conf[:rows, :cols] = s[:rows, :cols]
         conf = np.where(np.isnan(conf), prior_conf, conf)
-    surv = np.cumprod(np.clip(conf, 0.0, 1.0, out=conf), axis=1)
+        np.fmin(conf, 1.0, out=conf)
+    surv = np.cumprod(np.fmax(conf, 0.0, out=conf), axis=1, out=conf)
     flat = surv.reshape(-1) if num_reqs == 0 or caps.min() == k else surv[
         np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
     # descending: each row is already descending (a running product of values in [0, 1]), so
@@ -120,19 +128,36 @@ def plan_budget_lagged(
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
     s = _stale_survivals(stale_conf, caps, prior_conf)
-    total = int(s.size)
-    yield_n = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(s)])  # [total + 1]
-    if allowed_budgets is None:
-        cand = np.arange(total + 1)
-    else:
-        a = np.asarray(allowed_budgets, dtype=np.int64).reshape(-1)
-        a = a[(a >= 0) & (a < total)]
-        if a.size > 1 and not bool((a[1:] > a[:-1]).all()):  # (budget_candidates' are sorted)
-            a = np.unique(a)
-        cand = np.append(a, total)
+    cand = candidate_budgets(allowed_budgets, int(s.size))
     times = cost.step_time_lookup(num_reqs + num_other_tokens + cand, num_reqs)
     if trim_penalty_ms > 0:  # a trimmed step runs a slower path than verify-all
-        times = times + np.where(cand < total, trim_penalty_ms, 0.0)
+        times = times + penalties(cand, trim_penalty_ms)
+    return best_budget(s, cand, times, num_sampling_reqs, min_predicted_gain, opportunity_rate)
+
+
+def candidate_budgets(allowed_budgets: np.ndarray | None, total: int) -> np.ndarray:
+    """The budgets searched: `allowed_budgets` below `total` (all of 0..total-1 when None),
+    sorted, then `total` (verify-all) last."""
+    if allowed_budgets is None:
+        return np.arange(total + 1)
+    a = np.asarray(allowed_budgets, dtype=np.int64).reshape(-1)
+    a = a[(a >= 0) & (a < total)]
+    if a.size > 1 and not bool((a[1:] > a[:-1]).all()):  # (budget_candidates' are sorted)
+        a = np.unique(a)
+    return np.append(a, total)
+
+
+def penalties(cand: np.ndarray, trim_penalty_ms: float) -> np.ndarray:
+    """The trim penalty of each candidate budget (none for verify-all, the last)."""
+    return np.where(cand < cand[-1], trim_penalty_ms, 0.0)
+
+
+def best_budget(surv: np.ndarray, cand: np.ndarray, times: np.ndarray, num_sampling_reqs: int,
+                min_predicted_gain: float, opportunity_rate: float | None) -> BudgetDecision:
+    """The search of plan_budget_lagged over candidate budgets `cand` (verify-all last) with
+    their step times, given the sorted-descending stale survivals `surv`."""
+    total = int(cand[-1])
+    yield_n = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(surv)])  # [total + 1]
     theta = yield_n[cand] / times
     if opportunity_rate is None:  # the step's own tokens/ms
         i = int(np.argmax(theta))
@@ -192,98 +217,6 @@ def mean_survival(stale: np.ndarray | None, prior_conf: float = 1.0) -> np.ndarr
     return prefix_survival(stale, prior_conf).mean(axis=0)
 
 
-# ---------------------------------------------------------------------- device side
-def _survival_ranks(conf: torch.Tensor, capacities: torch.Tensor, drop_zero: bool = False):
-    """Rank of every slot in the global order (-survival, position, request); invalid slots
-    (>= capacity; with `drop_zero` also zero survival) sort last with key +inf.
-    Returns (ranks [K*R], valid [K*R], sorted keys [K*R]), flat index = position * R + req."""
-    num_reqs, k = conf.shape
-    dtype = torch.float64 if conf.dtype == torch.float64 else torch.float32
-    c = torch.nan_to_num(conf.to(dtype), nan=0.0).clamp_(0.0, 1.0)
-    surv = torch.cumprod(c, dim=1)  # [R, K]
-    pos = torch.arange(k, device=conf.device)
-    valid = pos[None, :] < capacities.to(conf.device)[:, None]  # [R, K]
-    if drop_zero:
-        valid = valid & (surv > 0)
-    # Position-major flattening: flat index j * R + r, so a *stable* sort on -survival breaks
-    # ties by position, then request.
-    surv_t, valid_t = surv.t().reshape(-1), valid.t().reshape(-1)
-    key = torch.where(valid_t, -surv_t, torch.full_like(surv_t, float("inf")))
-    sorted_key, order = torch.sort(key, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return ranks, valid_t, sorted_key
-
-
-def _lengths_from_admitted(admitted: torch.Tensor, num_reqs: int, k: int) -> torch.Tensor:
-    return admitted.view(k, num_reqs).sum(dim=0, dtype=torch.int64)
-
-
-def allocate_top_b(conf: torch.Tensor, capacities: torch.Tensor,
-                   budget: int | torch.Tensor) -> torch.Tensor:
-    """Per-request verify lengths [R] int64: global top-`budget` over current prefix survivals.
-
-    conf [R, K] current conditional confidences (NaN -> 0); capacities [R] int; slots >= cap are
-    never admitted. Ties are broken by position, then request (stable sort on a position-major
-    layout), never by a later slot's value, so the result is a prefix of every request.
-    Sync-free: `budget` may be a python int or a 0-dim tensor.
-    """
-    num_reqs, k = conf.shape
-    if num_reqs == 0 or k == 0:
-        return torch.zeros(num_reqs, dtype=torch.int64, device=conf.device)
-    ranks, valid, _ = _survival_ranks(conf, capacities)
-    admitted = (ranks < budget) & valid
-    return _lengths_from_admitted(admitted, num_reqs, k)
-
-
-def early_stop_lengths(conf: torch.Tensor, capacities: torch.Tensor, num_other_tokens: int,
-                       num_sampling_reqs: int | torch.Tensor,
-                       step_time_table: torch.Tensor) -> torch.Tensor:
-    """The paper's Algorithm 1 on current survivals, vectorized and sync-free.
-
-    Admit slots greedily in descending survival (ties: position, request; zero survivals and
-    slots >= cap never); stop at the first admission that does not strictly improve
-    theta = tau / step_time_table[tokens]. step_time_table[n] is the step time (ms) of a forward
-    with n total tokens for this batch's R (see CostModel.as_tensor_table); it must cover
-    R + num_other_tokens + sum of admissible slots.
-    """
-    num_reqs, k = conf.shape
-    if num_reqs == 0 or k == 0:
-        return torch.zeros(num_reqs, dtype=torch.int64, device=conf.device)
-    n_slots = num_reqs * k
-    base = num_reqs + int(num_other_tokens)
-    if step_time_table.numel() < base + n_slots + 1:
-        raise ValueError(f"step_time_table has {step_time_table.numel()} entries, need "
-                         f"{base + n_slots + 1} (R + other tokens + R*K + 1)")
-    ranks, valid, sorted_key = _survival_ranks(conf, capacities, drop_zero=True)
-    dtype = sorted_key.dtype
-    table = step_time_table.to(device=conf.device, dtype=dtype)
-    sorted_valid = torch.isfinite(sorted_key)  # valid slots sort first
-    sorted_surv = torch.where(sorted_valid, -sorted_key, torch.zeros_like(sorted_key))
-    tau = torch.cat([torch.zeros(1, dtype=dtype, device=conf.device),
-                     torch.cumsum(sorted_surv, 0)]) + num_sampling_reqs  # [n_slots + 1]
-    theta = tau / table[base: base + n_slots + 1]
-    # Admission m (1-based) happens iff admissions 1..m all improved strictly on their
-    # predecessor (while improving, `best` is always the previous theta).
-    improve = (theta[1:] > theta[:-1]) & sorted_valid
-    num_admit = torch.cumprod(improve.to(torch.int64), 0).sum()
-    admitted = ranks < num_admit
-    return _lengths_from_admitted(admitted, num_reqs, k)
-
-
-def threshold_lengths(conf: torch.Tensor, capacities: torch.Tensor,
-                      threshold: float | torch.Tensor) -> torch.Tensor:
-    """Leading run of slots with conditional confidence >= threshold (scalar or [K])."""
-    num_reqs, k = conf.shape
-    pos = torch.arange(k, device=conf.device)
-    ok = (conf >= threshold) & (pos[None, :] < capacities.to(conf.device)[:, None])
-    return torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
-
-
-def fixed_lengths(capacities: torch.Tensor) -> torch.Tensor:
-    return capacities.to(torch.int64).clone()
-
-
 class Planner:
     """Policy facade used by the engine.
 
@@ -294,7 +227,8 @@ class Planner:
 
     def __init__(self, policy: str, cost: CostModel | None = None, *,
                  min_predicted_gain: float = 0.04, threshold: float = 0.5,
-                 prior_conf: float = 1.0, snap_to_graphs: bool = True) -> None:
+                 prior_conf: float = 1.0, snap_to_graphs: bool = True,
+                 reuse_clear_plans: int = 1) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if policy in ("lagged", "early_stop"):
@@ -313,6 +247,14 @@ class Planner:
         self.snap_to_graphs = snap_to_graphs
         self.last_decision: BudgetDecision | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._contexts: dict[tuple, tuple] = {}  # host: per batch shape (_context)
+        # A verify-all plan whose best trim came nowhere near the guard (predicted gain under
+        # half of it) stands for the next `reuse_clear_plans - 1` plans of the same shape and
+        # penalty, confidences unread: at low load, where trimming does not pay, the search
+        # was most of a step's planning (H200, 33.6 M pair: 11.8% of step time). Lossless: a
+        # budget may come from any information older than the drafts; 1: search every plan.
+        self.reuse_clear_plans = reuse_clear_plans
+        self._reuse: dict[tuple, int] = {}  # (shape, penalty) -> plans it still stands for
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
@@ -326,35 +268,72 @@ class Planner:
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
         total = int(caps.sum())
-        if opportunity_rate is None and self._trimming_cannot_pay(caps.size, num_other_tokens,
-                                                                  total, trim_penalty_ms):
+        cand, variable, ends = self._context(caps.size, num_other_tokens, total)
+        if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
+            self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
+                                                False)  # fmt: skip
+            return total
+        reuse = (caps.size, num_other_tokens, total, trim_penalty_ms, num_sampling_reqs)
+        if opportunity_rate is None and self._reuse.get(reuse, 0) > 0:
+            self._reuse[reuse] -= 1
             self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
                                                 False)  # fmt: skip
             return total
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
-        allowed = None
-        if self.snap_to_graphs and self.cost.graph_sizes:
-            allowed = self.cost.budget_candidates(caps.size + num_other_tokens, total)
-        d = plan_budget_lagged(stale_conf, caps, num_other_tokens, num_sampling_reqs,
-                               self.cost, self.min_predicted_gain, allowed, self.prior_conf,
-                               trim_penalty_ms, opportunity_rate)  # fmt: skip
+        surv = _stale_survivals(stale_conf, caps, self.prior_conf)
+        times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's
+        if trim_penalty_ms > 0:
+            times = times + penalties(cand, trim_penalty_ms)
+        d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
+                        opportunity_rate)  # fmt: skip
+        if (opportunity_rate is None and self.reuse_clear_plans > 1 and not d.trimmed
+                and d.predicted_gain < self.min_predicted_gain / 2):  # fmt: skip
+            if len(self._reuse) > 4096:
+                self._reuse.clear()
+            self._reuse[reuse] = self.reuse_clear_plans - 1
         self.last_decision = d
         return d.budget
 
+    def _context(self, num_reqs: int, other: int, total: int) -> tuple:
+        """What a batch shape's budget search needs besides the confidences: the candidate
+        budgets, their step times without the fixed term (which is learned online, so added
+        per step), and those of n = 0 and n = total (the bound). Cached per shape: at steady
+        state the same shape repeats step after step, and building it costs more than the
+        search itself."""
+        key = (num_reqs, other, total, self.cost.greedy_drafts)
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            allowed = None
+            if self.snap_to_graphs and self.cost.graph_sizes:
+                allowed = self.cost.budget_candidates(num_reqs + other, total)
+            cand = candidate_budgets(allowed, total)
+            variable = self.cost.variable_lookup(num_reqs + other + cand, num_reqs)
+            ends = self.cost.variable_lookup(np.array([num_reqs + other, num_reqs + other
+                                                       + total]), num_reqs)  # fmt: skip
+            if len(self._contexts) > 4096:
+                self._contexts.clear()
+            ctx = self._contexts[key] = (cand, variable, ends)
+        return ctx
+
     def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,
                              penalty_ms: float) -> bool:
+        return self._bound_settles(self._context(num_reqs, other, total)[2], penalty_ms)
+
+    def _bound_settles(self, ends: np.ndarray, penalty_ms: float) -> bool:
         """A cheap exact bound (the common case at low load, where verification is nearly
         free): every trimmed budget n yields at most verify-all's tokens in at least the
         step time of n = 0 (+ the trim penalty), so theta(n) / theta(all) <= T(all) /
-        (T(0) + penalty); when that is within the guard, no budget can be trimmed."""
-        t0, t_all = self.cost.step_time_lookup(
-            np.array([num_reqs + other, num_reqs + other + total]), num_reqs)  # fmt: skip
+        (T(0) + penalty); when that is within the guard, no budget can be trimmed. `ends`:
+        the variable step times of n = 0 and n = all (_context)."""
+        t0, t_all = self.cost.add_fixed(ends)
         return t_all <= (t0 + penalty_ms) * (1.0 + self.min_predicted_gain)
 
     def invalidate_tables(self) -> None:
-        """Drop cached device step-time tables (after the cost model changed)."""
+        """Drop cached step-time tables (after the cost model changed)."""
         self._tables.clear()
+        self._contexts.clear()
+        self._reuse.clear()
 
     def _table(self, num_tokens: int, num_reqs: int, device) -> torch.Tensor:
         key = (num_tokens, num_reqs, str(device))

@@ -328,6 +328,76 @@ def test_plan_cpu_reads_confidences_only_when_a_trim_could_pay():
     assert calls == [1]
 
 
+def test_plan_cpu_with_cached_shapes_decides_as_the_uncached_search():
+    """plan_cpu caches each batch shape's candidates and variable step times; decisions must
+    stay those of plan_budget_lagged, bit for bit, while the fixed term moves (it is learned
+    online), the drafter's price switches mode, and penalties, prefill rates and graph
+    snapping vary, and with the shape cache warm (shapes repeat)."""
+    rng = np.random.default_rng(11)
+    cost = random_cost(rng, max_tokens=96)
+    cost.graph_sizes = [1, 2, 4, 8, 16, 24, 32, 48]
+    cost.draft_greedy_ms = np.array([0.1, 0.3])
+    planners = [Planner("lagged", cost, min_predicted_gain=0.0, snap_to_graphs=snap)
+                for snap in (True, False)]  # fmt: skip
+    shapes = [(int(rng.integers(1, 6)), int(rng.integers(0, 3))) for _ in range(6)]
+    trimmed = 0
+    for step in range(600):
+        p = planners[step % 2]
+        num_reqs, other = shapes[int(rng.integers(len(shapes)))]
+        caps = rng.integers(0, 8, num_reqs)
+        conf = rng.uniform(0, 1, (num_reqs, 7)) ** rng.uniform(0.2, 3)
+        cost.fixed_overhead_ms = float(rng.choice([0.0, 0.5, rng.uniform(0, 3)]))
+        if cost.use_greedy_drafts(bool(rng.integers(2))):
+            for q in planners:
+                q.invalidate_tables()
+        penalty = float(rng.choice([0.0, rng.uniform(0, 1)]))
+        rate = None if rng.random() < 0.7 or other == 0 else float(rng.uniform(0.1, 5))
+        allowed = (cost.budget_candidates(num_reqs + other, int(caps.sum()))
+                   if p.snap_to_graphs else None)  # fmt: skip
+        want = plan_budget_lagged(conf, caps, other, num_reqs, cost, 0.0, allowed, 1.0,
+                                  penalty, rate)  # fmt: skip
+        got = p.plan_cpu(conf, caps, other, num_reqs, penalty, rate)
+        assert got == want.budget, step
+        if p.last_decision.theta_best == p.last_decision.theta_best:  # not the bound's NaN
+            assert p.last_decision == want
+        trimmed += want.trimmed
+    assert 50 < trimmed < 550  # both outcomes exercised
+
+
+def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
+    """With reuse_clear_plans = 4, a verify-all plan whose best trim was far from the guard
+    is reused, confidences unread, for the next 3 plans of the same shape; a shape that
+    changes, or a plan that trims or comes near the guard, searches at every plan."""
+    steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_clear_plans=4)
+    caps = np.array([3, 3])
+    reads = []
+
+    def stale(conf):
+        def read():
+            reads.append(1)
+            return conf
+        return read
+
+    sure = np.full((2, 3), 0.99)  # every draft nearly certain: verify-all clearly best
+    assert plan_budget_lagged(sure, caps, 0, 2, steep).predicted_gain < 0.02
+    budgets = [p.plan_cpu(stale(sure), caps, 0, 2) for _ in range(8)]
+    assert budgets == [6] * 8 and len(reads) == 2  # plans 1 and 5 searched
+    p.plan_cpu(stale(sure), np.array([3, 2]), 0, 2)  # another shape: its own search
+    assert len(reads) == 3
+    weak = np.full((2, 3), 0.3)  # trimming pays: searched at every plan, never reused
+    want = plan_budget_lagged(weak, caps, 0, 2, steep).budget
+    assert want < 6
+    reads.clear()
+    assert [p.plan_cpu(stale(weak), caps, 0, 2) for _ in range(5)] == [want] * 5
+    assert len(reads) == 5
+    exact = Planner("lagged", steep)  # the default: every plan searches
+    reads.clear()
+    for _ in range(4):
+        exact.plan_cpu(stale(sure), caps, 0, 2)
+    assert len(reads) == 4
+
+
 def test_stale_survivals_fast_path_matches_the_general_one():
     """Stale confidences covering every row take a shorter path (hot: every lagged step);
     it must give the general path's sorted survivals, NaN (unknown) entries and ragged
