@@ -186,9 +186,11 @@ class SpecDecoder:
                 survival = self.drafting.estimate(self.fixed_costs.greedy)
                 rate = decode_rate(self.cost, survival, n_sampling,
                                    self.fixed_costs.get("plain", n_sampling))
-            # confidences are read only when needed (at low load, a bound settles the plan)
+            # confidences are read only when needed (at low load, a bound settles the plan);
+            # their survivals are corrected by the drafts accepted against those predicted
+            ratio = self.drafting.acceptance_ratio(self.fixed_costs.greedy)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
-                                           penalty, rate)  # fmt: skip
+                                           penalty, rate, ratio)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only
                 drafting_rows = np.flatnonzero(caps)
                 stale = self._stale(slots)[drafting_rows]

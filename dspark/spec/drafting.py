@@ -12,8 +12,10 @@ The survival estimate is the confidences' (one per sampling mode), scaled by how
 were accepted against how many the same confidences predicted at the lengths verified: a
 calibration fitted on one workload is off on another (H200, trained pair, T = 0: prefix
 survivals summing to 1.9 predicted, 2.9 drafts accepted per round, and drafting was turned
-off where fixed K beat no speculation by 66%). The trimming itself still ranks the raw
-confidences; only the decision's aggregate is corrected.
+off where fixed K beat no speculation by 66%). The lagged budget's expected yields are
+corrected by the same ratio (Planner.plan_cpu: at T = 0, c = 256 a ratio of 1.16 stood beside
+trims to 324 verified drafts per request against fixed K's 568, and 12% fewer tokens per
+step); the device's top-B allocation still ranks the raw live confidences.
 
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most

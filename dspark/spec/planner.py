@@ -258,10 +258,14 @@ class Planner:
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
-                 trim_penalty_ms: float = 0.0,
-                 opportunity_rate: float | None = None) -> int | None:
+                 trim_penalty_ms: float = 0.0, opportunity_rate: float | None = None,
+                 survival_scale: float = 1.0) -> int | None:
         """The lagged budget. `stale_conf`: [R, K] array (see plan_budget_lagged), None, or a
-        callable returning one, called only when the budget search needs it."""
+        callable returning one, called only when the budget search needs it.
+        `survival_scale`: the survivals' measured calibration error (drafts accepted over
+        those the confidences predicted, DraftingDecision.acceptance_ratio); the expected
+        yield of each slot is its stale survival times it, at most 1 (the order, and so the
+        device's top-B allocation on the live confidences, is unchanged)."""
         if self.policy != "lagged":
             return None
         caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
@@ -282,6 +286,8 @@ class Planner:
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
         surv = _stale_survivals(stale_conf, caps, self.prior_conf)
+        if survival_scale != 1.0:
+            surv = np.minimum(surv * survival_scale, 1.0)
         times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's
         if trim_penalty_ms > 0:
             times = times + penalties(cand, trim_penalty_ms)

@@ -201,3 +201,27 @@ def test_drafting_turns_after_two_decisions_against_it(caplog):
         assert [decide(s) for s in (low, high, low, low)] == [True, True, True, False]
     flips = [r.getMessage().split(" at ")[0] for r in caplog.records]
     assert flips == ["adaptive verification: drafting " + w for w in ("off", "on", "off")]
+
+
+def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp_path):
+    """Each plan's survivals are scaled by the sampling mode's accepted / predicted ratio as
+    it stands at that plan (understated confidences: ratio > 1, fewer drafts trimmed)."""
+    path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    cfg = {"model": make_tiny_drafter(str(tmp_path / "d"), tiny_qwen),
+           "num_speculative_tokens": 4, "adaptive_policy": "lagged", "cost_table_path": path,
+           "online_cost_correction": False}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    spec.drafting._accepted[True] = [30.0, 10.0]  # as if 3x the predicted drafts were accepted
+    plan_cpu, scales = spec.planner.plan_cpu, []
+
+    def spy(*args, **kwargs):
+        scales.append((args[6], spec.drafting.acceptance_ratio(True)))
+        return plan_cpu(*args, **kwargs)
+
+    spec.planner.plan_cpu = spy
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert scales and all(got == want for got, want in scales)
+    assert scales[0][0] == 2.0  # (3.0, bounded)

@@ -398,6 +398,25 @@ def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     assert len(reads) == 4
 
 
+def test_budget_yields_are_scaled_by_the_measured_acceptance_ratio():
+    """survival_scale multiplies every stale survival (capped at 1) before the search: the
+    plan equals the uncorrected search on survivals scaled so; understated confidences
+    (scale > 1) verify more drafts, overstated ones fewer, and 1 changes nothing."""
+    cost = CostModel.from_measurements([1, 64], [1.0, 64.0], fixed_ms=2.0)
+    conf = np.array([[0.9, 0.6, 0.5, 0.4], [0.7, 0.5, 0.3, 0.2]])
+    caps = np.array([4, 4])
+    budgets = {}
+    for scale in (0.5, 1.0, 1.4, 3.0):
+        p = Planner("lagged", cost, min_predicted_gain=0.0)
+        budgets[scale] = p.plan_cpu(conf, caps, 0, 2, survival_scale=scale)
+        surv = np.minimum(np.cumprod(conf, axis=1) * scale, 1.0)
+        # conditional confidences whose survivals are the scaled ones
+        cond = surv / np.concatenate([np.ones((2, 1)), surv[:, :-1]], axis=1)
+        assert budgets[scale] == plan_budget_lagged(cond, caps, 0, 2, cost, 0.0).budget
+    assert budgets[1.0] == plan_budget_lagged(conf, caps, 0, 2, cost, 0.0).budget
+    assert budgets[0.5] < budgets[1.0] < budgets[1.4] < budgets[3.0]  # 0, 2, 3, 5
+
+
 def test_stale_survivals_fast_path_matches_the_general_one():
     """Stale confidences covering every row take a shorter path (hot: every lagged step);
     it must give the general path's sorted survivals, NaN (unknown) entries and ragged
