@@ -221,7 +221,10 @@ class CostModel:
         return self.draft_lookup(num_reqs) + verify[n]
 
     def add_fixed(self, variable_ms):
-        """Step times from their variable parts (variable_lookup) and the current fixed term."""
+        """Step times from their variable parts (variable_lookup) and the current fixed term
+        (a float for a float: the planner's bound asks every step)."""
+        if isinstance(variable_ms, float):
+            return max(self.fixed_overhead_ms + variable_ms, _MIN_STEP_MS)
         return np.maximum(self.fixed_overhead_ms + variable_ms, _MIN_STEP_MS)
 
     def draft_lookup(self, num_reqs: int) -> float:

@@ -128,7 +128,8 @@ class DraftingDecision:
         accepted, predicted = self._accepted[greedy]
         if predicted < _ACCEPT_MIN_PREDICTED:
             return 1.0
-        return float(np.clip(accepted / predicted, *_ACCEPT_RATIO_BOUNDS))
+        lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
+        return min(max(accepted / predicted, lo), hi)
 
     def estimate(self, greedy: bool) -> np.ndarray | None:
         """The mode's mean prefix survival (else the other mode's), scaled by its acceptance

@@ -157,8 +157,13 @@ def best_budget(surv: np.ndarray, cand: np.ndarray, times: np.ndarray, num_sampl
     """The search of plan_budget_lagged over candidate budgets `cand` (verify-all last) with
     their step times, given the sorted-descending stale survivals `surv`."""
     total = int(cand[-1])
-    yield_n = num_sampling_reqs + np.concatenate([[0.0], np.cumsum(surv)])  # [total + 1]
-    theta = yield_n[cand] / times
+    yield_n = np.empty(total + 1)  # expected tokens of each budget 0..total
+    yield_n[0] = 0.0
+    np.cumsum(surv, out=yield_n[1:])
+    yield_n += num_sampling_reqs
+    if cand.size < total + 1:  # (snapped to graph sizes; else every budget is a candidate)
+        yield_n = yield_n[cand]
+    theta = yield_n / times
     if opportunity_rate is None:  # the step's own tokens/ms
         i = int(np.argmax(theta))
         theta_best, theta_full = float(theta[i]), float(theta[-1])
@@ -168,7 +173,7 @@ def best_budget(surv: np.ndarray, cand: np.ndarray, times: np.ndarray, num_sampl
             gain = 0.0 if theta_best <= 0 else float("inf")
         trimmed = cand[i] < total and theta_best > theta_full * (1.0 + min_predicted_gain)
     else:  # net value: the prefill's time is spent anyway
-        value = yield_n[cand] - opportunity_rate * times
+        value = yield_n - opportunity_rate * times
         i = int(np.argmax(value))
         theta_best, theta_full = float(theta[i]), float(theta[-1])
         gain = float(value[i] - value[-1]) / max(float(yield_n[-1]), 1e-9)
@@ -315,8 +320,8 @@ class Planner:
                 allowed = self.cost.budget_candidates(num_reqs + other, total)
             cand = candidate_budgets(allowed, total)
             variable = self.cost.variable_lookup(num_reqs + other + cand, num_reqs)
-            ends = self.cost.variable_lookup(np.array([num_reqs + other, num_reqs + other
-                                                       + total]), num_reqs)  # fmt: skip
+            ends = tuple(map(float, self.cost.variable_lookup(
+                np.array([num_reqs + other, num_reqs + other + total]), num_reqs)))
             if len(self._contexts) > 4096:
                 self._contexts.clear()
             ctx = self._contexts[key] = (cand, variable, ends)
@@ -326,13 +331,13 @@ class Planner:
                              penalty_ms: float) -> bool:
         return self._bound_settles(self._context(num_reqs, other, total)[2], penalty_ms)
 
-    def _bound_settles(self, ends: np.ndarray, penalty_ms: float) -> bool:
+    def _bound_settles(self, ends: tuple[float, float], penalty_ms: float) -> bool:
         """A cheap exact bound (the common case at low load, where verification is nearly
         free): every trimmed budget n yields at most verify-all's tokens in at least the
         step time of n = 0 (+ the trim penalty), so theta(n) / theta(all) <= T(all) /
         (T(0) + penalty); when that is within the guard, no budget can be trimmed. `ends`:
         the variable step times of n = 0 and n = all (_context)."""
-        t0, t_all = self.cost.add_fixed(ends)
+        t0, t_all = self.cost.add_fixed(ends[0]), self.cost.add_fixed(ends[1])
         return t_all <= (t0 + penalty_ms) * (1.0 + self.min_predicted_gain)
 
     def invalidate_tables(self) -> None:
