@@ -22,7 +22,7 @@ from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_com
 from dspark.sampling.processors import GREEDY_EPS
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
-from dspark.spec.drafting import PROBE_ROWS, DraftingDecision, predicted_accepted
+from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.planner import Planner, decode_rate
@@ -58,12 +58,13 @@ class SpecDecoder:
         if sc.draft_sample_method == "probabilistic":
             shape = (slots, self.k, target_cfg.vocab_size)
             self.draft_probs = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.conf = torch.ones(slots, self.k, dtype=torch.float32, device=device)
+        # NaN until a slot's first drafts: unknown (the planner's prior, the decision skips it)
+        self.conf = torch.full((slots, self.k), float("nan"), dtype=torch.float32, device=device)
         self.conf_logits = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         self.trace: list[dict] | None = None  # per-step records while tracing (host syncs!)
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         # the planner reads the newest copy of `conf` that has landed, never waiting for one
-        self.host_confs = LandedCopies((slots, self.k), device)
+        self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
             rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)
@@ -187,17 +188,17 @@ class SpecDecoder:
                 rate = decode_rate(self.cost, survival, n_sampling,
                                    self.fixed_costs.get("plain", n_sampling))
             # confidences are read only when needed (at low load, a bound settles the plan);
-            # their survivals are corrected by the drafts accepted against those predicted
-            ratio = self.drafting.acceptance_ratio(self.fixed_costs.greedy)
+            # their survivals are corrected upwards by the drafts accepted against those
+            # predicted. Not downwards: a smaller budget verifies fewer drafts to measure the
+            # ratio on (a zero budget, none), so a low ratio could never recover
+            ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
                                            penalty, rate, ratio)  # fmt: skip
-            if decide:  # the survival estimate feeds the decision only
-                drafting_rows = np.flatnonzero(caps)
-                stale = self._stale(slots)[drafting_rows]
-                greedy = self.fixed_costs.greedy
-                survival = self.drafting.update_survival(stale, greedy)
+            if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (observe_acceptance)
-                self._prediction = (drafting_rows, predicted_accepted(survival), greedy)
+                rows_drafting = np.flatnonzero(caps)
+                self._prediction = self.drafting.survey(
+                    rows_drafting, self._stale(slots)[rows_drafting], self.fixed_costs.greedy)
         self.last_budget = budget
         self.draft_enabled, self.probing = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)

@@ -13,9 +13,11 @@ were accepted against how many the same confidences predicted at the lengths ver
 calibration fitted on one workload is off on another (H200, trained pair, T = 0: prefix
 survivals summing to 1.9 predicted, 2.9 drafts accepted per round, and drafting was turned
 off where fixed K beat no speculation by 66%). The lagged budget's expected yields are
-corrected by the same ratio (Planner.plan_cpu: at T = 0, c = 256 a ratio of 1.16 stood beside
-trims to 324 verified drafts per request against fixed K's 568, and 12% fewer tokens per
-step); the device's top-B allocation still ranks the raw live confidences.
+corrected by the same ratio when it is above 1 (Planner.plan_cpu: at T = 0, c = 256 a ratio of
+1.16 stood beside trims to 324 verified drafts per request against fixed K's 568, and 12%
+fewer tokens per step); not below 1, where a smaller budget would leave fewer verified drafts
+to measure the ratio on, none at a zero budget. The device's top-B allocation still ranks the
+raw live confidences.
 
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
@@ -102,6 +104,19 @@ class DraftingDecision:
             self.survival = survival if prev is None else 0.2 * survival + 0.8 * prev
             self._survival[greedy] = self.survival
         return rows
+
+    def survey(self, rows: np.ndarray, stale: np.ndarray, greedy: bool) -> tuple | None:
+        """A decision step's drafting rows (indices in the step) and their stale confidences:
+        update the mode's survival estimate and return the prediction that
+        `check_prediction` pairs with the drafts the step accepts (None: no row known). A
+        row whose slot has no confidences in the landed copy yet (NaN: its first drafts'
+        copy is in flight) would count as certain drafts: it is left out."""
+        known = ~np.isnan(stale).any(axis=1)
+        if not known.all():
+            rows, stale = rows[known], stale[known]
+        if not rows.size:
+            return None
+        return rows, predicted_accepted(self.update_survival(stale, greedy)), greedy
 
     def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
         """Drafts accepted in a verified step against the number its rows' confidences

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
@@ -203,9 +204,13 @@ def test_drafting_turns_after_two_decisions_against_it(caplog):
     assert flips == ["adaptive verification: drafting " + w for w in ("off", "on", "off")]
 
 
-def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp_path):
+@pytest.mark.parametrize("accepted, predicted, first_scale", [(30.0, 10.0, 2.0),
+                                                              (5.0, 20.0, 1.0)])
+def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp_path, accepted,
+                                                                  predicted, first_scale):
     """Each plan's survivals are scaled by the sampling mode's accepted / predicted ratio as
-    it stands at that plan (understated confidences: ratio > 1, fewer drafts trimmed)."""
+    it stands at that plan when it is above 1 (understated confidences: fewer drafts
+    trimmed), never below 1 (a lower budget would starve the ratio of verified drafts)."""
     path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
                   fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
     cfg = {"model": make_tiny_drafter(str(tmp_path / "d"), tiny_qwen),
@@ -213,15 +218,68 @@ def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp
            "online_cost_correction": False}  # fmt: skip
     llm = LLM(tiny_qwen, device="cpu", speculative_config=cfg)
     spec = llm.engine.runner.spec
-    spec.drafting._accepted[True] = [30.0, 10.0]  # as if 3x the predicted drafts were accepted
+    spec.drafting._accepted[True] = [accepted, predicted]  # as if measured so
     plan_cpu, scales = spec.planner.plan_cpu, []
 
     def spy(*args, **kwargs):
-        scales.append((args[6], spec.drafting.acceptance_ratio(True)))
+        scales.append((args[6], max(spec.drafting.acceptance_ratio(True), 1.0)))
         return plan_cpu(*args, **kwargs)
 
     spec.planner.plan_cpu = spy
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert scales and all(got == want for got, want in scales)
-    assert scales[0][0] == 2.0  # (3.0, bounded)
+    assert scales[0][0] == first_scale  # 3.0 bounded to 2; 0.25 not applied
+
+
+class _LandsAtNextPush:
+    """A CUDA event stand-in: a copy lands once the next copy is queued (the GPU pipeline,
+    where a plan reads while the last step's copy is in flight: tests/unit/test_host_copy.py)."""
+
+    recorded: list = []
+
+    def __init__(self):
+        self.done = True
+
+    def record(self):
+        for ev in _LandsAtNextPush.recorded:
+            ev.done = True
+        _LandsAtNextPush.recorded = [self]
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, drafter, tmp_path):
+    """A slot's confidences are NaN until its first drafts' copy lands; with copies one step
+    behind, a request's first decision step would read its slot's fill. Such rows are left
+    out of the survival estimate and of the acceptance check (they counted as certain
+    drafts: the acceptance ratio at a level's start fell to 0.58 on the H200)."""
+    from dspark.spec.host_copy import LandedCopies
+
+    path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    cfg = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "cost_table_path": path, "online_cost_correction": False,
+           "draft_skipping": False}  # every step drafts  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=8, speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    spec.host_confs = LandedCopies(tuple(spec.conf.shape), spec.conf.device,
+                                   fill=float("nan"), event_factory=_LandsAtNextPush)  # fmt: skip
+    seen, update = [], spec.drafting.update_survival
+
+    def spy(stale, greedy=True):
+        seen.append(stale.copy())
+        return update(stale, greedy)
+
+    spec.drafting.update_survival = spy
+    spec.drafting.due = lambda num_reqs: True  # every step decides: also a row's first verify
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts[:2], params)  # slots 0-1 drafted; the others never were
+    fresh = len(seen)
+    llm.generate(prompts, params)  # new requests in never-drafted slots, all at once
+    assert len(seen) > fresh + 5 and all(not np.isnan(s).any() for s in seen)
+    assert any(s.shape[0] < len(PROMPTS) for s in seen[fresh:])  # some rows were left out
+    assert spec.drafting.acceptance_ratio(True) > 0  # the check still ran on known rows
