@@ -199,8 +199,7 @@ def drafter_table(runner, conc: int) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from dspark.spec.cost_model import median_of_repeats
-    from dspark.spec.profiler import _draft_step
+    from dspark.spec.profiler import _draft_step, median_of_repeats
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -267,7 +267,8 @@ class LLMEngine:
         self.stats["steps"] += 1
         self._unbuilt += self._commit(sched, result, advanced)
         if prediction is not None:  # (the drafting decision's acceptance check)
-            self.runner.spec.observe_acceptance(prediction, result.emitted, result.verified)
+            self.runner.spec.drafting.check_prediction(prediction, result.emitted,
+                                                       result.verified)  # fmt: skip
         return sched, result, tag
 
     @staticmethod

@@ -27,13 +27,9 @@ must surface it loudly.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import platform
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,58 +351,3 @@ class CostModel:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-
-def make_provenance(
-    model: str | None = None,
-    dtype: str | None = None,
-    device_name: str | None = None,
-    num_speculative_tokens: int | None = None,
-    graph_sizes: Sequence[int] | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """Provenance record for a profiled table: what it was measured on, with which software."""
-    from importlib import metadata
-
-    def _version(pkg: str) -> str | None:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "model": model, "dtype": dtype, "device_name": device_name,
-        "num_speculative_tokens": num_speculative_tokens,
-        "graph_sizes": list(graph_sizes) if graph_sizes is not None else None,
-        "torch": _version("torch"), "triton": _version("triton"),
-        "python": platform.python_version(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        **extra,
-    }
-
-
-def median_of_repeats(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
-                      sync: bool | None = None) -> float:
-    """Median wall time (ms) of `fn()` on the host clock. With `sync` (default: CUDA is
-    initialised) `torch.cuda.synchronize()` brackets every call so queued kernels count."""
-    if repeats < 1:
-        raise ValueError("repeats must be >= 1")
-    if sync is None:
-        import torch
-
-        sync = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if sync:
-        import torch
-
-        barrier = torch.cuda.synchronize
-    else:
-        barrier = lambda: None
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        barrier()
-        t0 = time.perf_counter()
-        fn()
-        barrier()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(statistics.median(times))

@@ -25,13 +25,12 @@ from dspark.spec.confidence import apply_sts, confidence_source, features_from_d
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
-from dspark.spec.planner import Planner, decode_rate
+from dspark.spec.planner import REUSE_CLEAR_PLANS, Planner, decode_rate
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
-REUSE_CLEAR_PLANS = 4  # a clear verify-all plan stands for this many plans (Planner)
 
 
 class SpecDecoder:
@@ -195,7 +194,7 @@ class SpecDecoder:
             budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
                                            penalty, rate, ratio)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only; its prediction is
-                # checked against the drafts this step accepts (observe_acceptance)
+                # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
                 self._prediction = self.drafting.survey(
                     rows_drafting, self._stale(slots)[rows_drafting], self.fixed_costs.greedy)
@@ -374,14 +373,10 @@ class SpecDecoder:
 
     def take_prediction(self) -> tuple | None:
         """Read at launch: the step just planned decided on its rows' confidences; what they
-        predicted, for observe_acceptance once the step is committed (None: not a decision
-        step with drafts)."""
+        predicted, for DraftingDecision.check_prediction once the step is committed (None:
+        not a decision step with drafts)."""
         prediction, self._prediction = self._prediction, None
         return prediction
-
-    def observe_acceptance(self, prediction: tuple, emitted: list, verified: list) -> None:
-        """A committed step's accepted drafts against its prediction (`take_prediction`)."""
-        self.drafting.check_prediction(prediction, emitted, verified)
 
     def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
                           tag: tuple[str, float, bool] | None) -> None:

@@ -52,6 +52,7 @@ from dspark.spec.cost_model import CostModel
 logger = logging.getLogger(__name__)
 
 POLICIES = ("lagged", "early_stop", "threshold", "fixed")
+REUSE_CLEAR_PLANS = 4  # the engine's Planner(reuse_clear_plans=...): see Planner.__init__
 
 
 @dataclass

@@ -10,13 +10,19 @@ made monotone by CostModel.
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from dspark.attention.base import AttentionMetadata, compute_token_to_req
-from dspark.spec.cost_model import CostModel, make_provenance, median_of_repeats
+from dspark.spec.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -129,3 +135,59 @@ def _device_name(device: torch.device) -> str:
     import platform
 
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def make_provenance(
+    model: str | None = None,
+    dtype: str | None = None,
+    device_name: str | None = None,
+    num_speculative_tokens: int | None = None,
+    graph_sizes: Sequence[int] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Provenance record for a profiled table: what it was measured on, with which software."""
+    from importlib import metadata
+
+    def _version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "model": model, "dtype": dtype, "device_name": device_name,
+        "num_speculative_tokens": num_speculative_tokens,
+        "graph_sizes": list(graph_sizes) if graph_sizes is not None else None,
+        "torch": _version("torch"), "triton": _version("triton"),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def median_of_repeats(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+                      sync: bool | None = None) -> float:
+    """Median wall time (ms) of `fn()` on the host clock. With `sync` (default: CUDA is
+    initialised) `torch.cuda.synchronize()` brackets every call so queued kernels count."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if sync:
+        import torch
+
+        barrier = torch.cuda.synchronize
+    else:
+        barrier = lambda: None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))

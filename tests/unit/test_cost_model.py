@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.spec.cost_model import CostModel, make_provenance, median_of_repeats
+from dspark.spec.cost_model import CostModel
+from dspark.spec.profiler import make_provenance, median_of_repeats
 
 
 def test_monotone_running_max_and_duplicates():
