@@ -134,7 +134,8 @@ def main() -> int:
     ap.add_argument("--synthetic-rates", default=None,
                     help="SYNTHETIC acceptance per position (benchmark mode, not lossless)")
     ap.add_argument("--arms", default="nospec,fixed",
-                    help="from nospec,fixed,adaptive,plain (adaptive, drafting held off)")
+                    help="from nospec,fixed,adaptive,plain (adaptive, drafting held off),drafting "
+                         "(adaptive, drafting held on)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -150,10 +151,13 @@ def main() -> int:
     if args.synthetic_rates:
         base.update(rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
-    # plain: the adaptive engine with drafting held off (its plain steps against nospec's)
+    # plain: the adaptive engine with drafting held off (its plain steps against nospec's);
+    # drafting: with drafting held on (its speculative steps against fixed K's, equal work
+    # wherever the plan verifies every draft)
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
             "adaptive": dict(base, enable_adaptive_verification=True),
-            "plain": dict(base, enable_adaptive_verification=True)}  # fmt: skip
+            "plain": dict(base, enable_adaptive_verification=True),
+            "drafting": dict(base, enable_adaptive_verification=True, draft_skipping=False)}
     temps = [float(t) for t in args.temperatures.split(",")]
     rows, reports = [], []
     for arm in args.arms.split(","):
@@ -174,7 +178,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_step.txt"), "w") as f:
         f.write("\n\n".join(reports))
-    print("\n\n".join(r.split("\n")[0] for r in reports))
+    # each report's header and host time per phase (the profiler tables are in the file)
+    print("\n".join(line for r in reports for line in r.split("\n")
+                    if line.startswith("###") or "us host per step" in line))
     print(f"\n{'arm':<8} {'T':>3} {'rng':>6} {'conc':>5} {'ms/step':>8} {'tok/s':>9} {'acc':>5}")
     for arm, temp, kind, c, m in rows:
         acc = "-" if m["acc"] is None else f"{m['acc']:.2f}"

@@ -3,6 +3,7 @@ GPU sessions); its numbers are meaningless on a CPU and are not checked beyond s
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def test_profile_step_smoke(tmp_path):
             if line.startswith(("nospec ", "fixed "))]
     assert len(rows) == 8 and all(float(r[4]) > 0 and float(r[5]) > 0 for r in rows)
     assert all(r[6] != "-" for r in rows if r[0] == "fixed")  # acceptance reported
+    # the host time per phase of each arm is printed too (not only in the file)
+    assert "### fixed T=0" in proc.stdout
+    assert re.search(r"^  commit +[0-9.]+ us host per step", proc.stdout, re.M)
 
 
 def _free_port_block(n: int) -> int:
