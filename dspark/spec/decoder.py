@@ -191,13 +191,14 @@ class SpecDecoder:
             # predicted. Not downwards: a smaller budget verifies fewer drafts to measure the
             # ratio on (a zero budget, none), so a low ratio could never recover
             ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
-            budget = self.planner.plan_cpu(lambda: self._stale(slots), caps, other, n_sampling,
-                                           penalty, rate, ratio)  # fmt: skip
+            # (a decision step reads them anyway: once, for both)
+            stale = self._stale(slots) if decide else (lambda: self._stale(slots))
+            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
                 self._prediction = self.drafting.survey(
-                    rows_drafting, self._stale(slots)[rows_drafting], self.fixed_costs.greedy)
+                    rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         self.last_budget = budget
         self.draft_enabled, self.probing = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
