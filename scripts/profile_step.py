@@ -89,6 +89,53 @@ def label_phases(llm: LLM) -> None:
         _phase(spec.drafter, "write_context", "write_context")
 
 
+def host_timers(llm: LLM, args, temp: float, label: str) -> str:
+    """Host time per step of the engine's step and its parts (planning in detail), timed with
+    perf_counter, not the profiler (whose per-op overhead swamps phases under 100 us)."""
+    import dspark.engine.model_runner as mr
+
+    eng, spec = llm.engine, llm.engine.runner.spec
+    if spec is None:
+        return ""
+    # the whole call, then its parts: a step = schedule + launch (plan, pack, upload, graph
+    # start) + outputs built + commit_launched (the wait for the device + commit)
+    parts = [(eng, "_step"), (eng, "_schedule"), (eng.runner, "launch"), (spec, "plan"),
+             (spec, "_plan"), (spec.planner, "plan_cpu"), (spec.drafting, "survey"),
+             (spec.drafting, "after_plan"), (mr, "pack_step"), (mr, "upload_step"),
+             (spec, "choose_lengths"), (eng, "_deliver_outputs"), (eng, "_commit_launched"),
+             (eng, "_commit"), (spec, "observe_step_time")]  # fmt: skip
+    if eng.runner.step_graphs is not None:
+        parts.append((eng.runner.step_graphs, "start"))
+    spent = {f"{type(o).__name__}.{n}": [0.0, 0] for o, n in parts}
+    saved = []
+    for obj, name in parts:
+        fn = getattr(obj, name)
+        saved.append((obj, name, obj.__dict__.get(name)))
+
+        def timed(*a, _fn=fn, _acc=spent[f"{type(obj).__name__}.{name}"], **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += time.perf_counter() - t0
+                _acc[1] += 1
+
+        setattr(obj, name, timed)
+    s0 = llm.engine.stats["steps"]
+    try:
+        measure(llm, args.profile_concurrency, args, temp)
+    finally:
+        for obj, name, old in saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+    steps = max(llm.engine.stats["steps"] - s0, 1)  # (measure()'s warm-up run and its run)
+    rows = [f"  {name:<32} {t * 1e6 / steps:9.1f} us per step ({n / steps:.2f} calls)"
+            for name, (t, n) in spent.items()]  # fmt: skip
+    return "\n".join([f"### host timers {label} at concurrency {args.profile_concurrency}"] + rows)
+
+
 def profile(llm: LLM, args, temp: float, label: str) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -159,7 +206,7 @@ def main() -> int:
             "plain": dict(base, enable_adaptive_verification=True),
             "drafting": dict(base, enable_adaptive_verification=True, draft_skipping=False)}
     temps = [float(t) for t in args.temperatures.split(",")]
-    rows, reports = [], []
+    rows, reports, timers = [], [], []
     for arm in args.arms.split(","):
         spec = arms[arm]
         with LLM(args.target, speculative_config=spec, **kw) as llm:
@@ -171,6 +218,7 @@ def main() -> int:
                     kind = "triton" if rng._TRITON and torch.cuda.is_available() else "torch"
                     rows.append((arm, temp, kind, c, measure(llm, c, args, temp)))
                 reports.append(profile(llm, args, temp, f"{arm} T={temp:g}"))
+                timers.append(host_timers(llm, args, temp, f"{arm} T={temp:g}"))
             if torch.cuda.is_available() and 1.0 in temps:  # A/B: RNG as ~300 torch kernels
                 rng._TRITON = False
                 rows.append((arm, 1.0, "torch", levels[0], measure(llm, levels[0], args, 1.0)))
@@ -181,6 +229,7 @@ def main() -> int:
     # each report's header and host time per phase (the profiler tables are in the file)
     print("\n".join(line for r in reports for line in r.split("\n")
                     if line.startswith("###") or "us host per step" in line))
+    print("\n".join(t for t in timers if t))
     print(f"\n{'arm':<8} {'T':>3} {'rng':>6} {'conc':>5} {'ms/step':>8} {'tok/s':>9} {'acc':>5}")
     for arm, temp, kind, c, m in rows:
         acc = "-" if m["acc"] is None else f"{m['acc']:.2f}"
