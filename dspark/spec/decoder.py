@@ -141,11 +141,13 @@ class SpecDecoder:
     # -- plan (host, stale confidences) --------------------------------------------------------
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
-        host confidences (no sync); every policy's step is counted by kind here."""
-        rows = host.per_row()
+        host confidences (no sync); every policy's step is counted by kind here. The step's
+        sizes come from its packed scalars (every step, every policy: no array reductions)."""
         self._prediction = None  # (set by a decision step that verifies drafts)
-        self._step_reqs = n = rows.shape[1]
-        self._step_other = int(rows[2].sum()) - n  # prefill tokens (beyond one per row)
+        n = host.get("num_reqs")
+        total = host.get("num_draft_fills")  # every row's draft capacity, summed
+        # prefill tokens beyond one per row: the stream less the drafts and one per row
+        self._step_reqs, self._step_other = n, host.get("num_tokens") - total - n
         if self.cost is not None:
             # price the drafter this step runs (argmax only when every row is greedy: about
             # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size
@@ -160,20 +162,20 @@ class SpecDecoder:
         if self._policy == "lagged":
             t0 = time.perf_counter()
             try:
-                budget = self._plan(rows)
+                budget = self._plan(host, n, total)
             finally:
                 self.plan_ms += (time.perf_counter() - t0) * 1e3
-        verifies = budget != 0 and bool(rows[1].any())
+        verifies = budget != 0 and total > 0
         self.step_counts[step_kind(self._step_other, verifies, self.draft_enabled)] += 1
         return budget
 
-    def _plan(self, rows: np.ndarray) -> int:
-        samples, caps, slots = rows[0], rows[1], rows[4]
-        n, other = caps.size, self._step_other
-        n_sampling = int(np.count_nonzero(samples))
+    def _plan(self, host, n: int, total: int) -> int:
+        other, n_sampling = self._step_other, host.get("num_samples")
         decide = self.drafting.due(n)  # (every few steps, or when the batch size moves)
         budget = 0
-        if caps.any():
+        if total > 0:
+            rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
+            caps, slots = rows[1], rows[4]
             # one new token per row otherwise (no prefill chunk): verify-all can be a graph
             # (and with trimmed graphs, so can a trimmed plan: no penalty)
             graph_ok = self.graph_steps and other == 0
@@ -193,7 +195,8 @@ class SpecDecoder:
             ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
             # (a decision step reads them anyway: once, for both)
             stale = self._stale(slots) if decide else (lambda: self._stale(slots))
-            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio)
+            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
+                                           total=total)  # fmt: skip
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)

@@ -266,19 +266,23 @@ class Planner:
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
                  trim_penalty_ms: float = 0.0, opportunity_rate: float | None = None,
-                 survival_scale: float = 1.0) -> int | None:
+                 survival_scale: float = 1.0, total: int | None = None) -> int | None:
         """The lagged budget. `stale_conf`: [R, K] array (see plan_budget_lagged), None, or a
         callable returning one, called only when the budget search needs it.
         `survival_scale`: the survivals' measured calibration error (drafts accepted over
         those the confidences predicted, DraftingDecision.acceptance_ratio); the expected
         yield of each slot is its stale survival times it, at most 1 (the order, and so the
-        device's top-B allocation on the live confidences, is unchanged)."""
+        device's top-B allocation on the live confidences, is unchanged). `total`: the
+        capacities' sum when the caller knows it (the packed step's)."""
         if self.policy != "lagged":
             return None
-        caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
+        caps = capacities
+        if not isinstance(caps, np.ndarray) or caps.dtype != np.int64 or caps.ndim != 1:
+            caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
-        total = int(caps.sum())
+        if total is None:
+            total = int(caps.sum())
         cand, variable, ends = self._context(caps.size, num_other_tokens, total)
         if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
             self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
