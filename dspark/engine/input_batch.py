@@ -149,58 +149,79 @@ def pack_step(
     rows: list[ScheduledRow], block_tables: np.ndarray, block_size: int
 ) -> HostStep:
     """Host arrays of one step. `block_tables` [R, B] int64: row i is rows[i]'s block table,
-    zero past its end (BlockTableMirror.rows)."""
+    zero past its end (BlockTableMirror.rows).
+
+    Hot (every step, up to max_num_seqs rows, the host's critical path of a speculative
+    step): one Python pass over the rows, then a fixed number of whole-array numpy calls
+    writing into the one int64 array that is copied to the device."""
     num_reqs = len(rows)
-    # One Python pass over the rows (hot: every step, up to max_num_seqs rows): per-row
-    # numbers, and the non-draft tokens of every row (from the request) in stream order.
+    # per row: the tail's 8 fields in `per_row()` order, then the row's new tokens and the
+    # end of its sequence (for the column maxima); the non-draft tokens in stream order (a
+    # row's draft slots follow them: placeholders, filled on the device)
     toks: list[int] = []
     per_row, per_row_f = [], []
     for r in rows:
         req, p = r.req, r.req.params
-        s, nd = req.num_computed_tokens, r.num_new_tokens - r.num_draft_slots
+        s, caps = req.num_computed_tokens, r.num_draft_slots
+        nd = r.num_new_tokens - caps
         toks += req.token_ids[s : s + nd]
         if req.num_pending and s + nd > len(req.token_ids):  # sampled by the step in flight:
             toks += [PENDING_TOKEN] * (s + nd - max(s, len(req.token_ids)))  # on the device
-        per_row.append((r.num_new_tokens, r.num_draft_slots, s, r.samples, req.slot, req.seed,
-                        req.round, p.top_k))  # fmt: skip
+        per_row.append((r.samples, caps, nd, s, req.slot, req.seed, req.round, p.top_k,
+                        r.num_new_tokens, s + r.num_new_tokens))  # fmt: skip
         per_row_f.append((p.temperature, p.top_p, p.min_p))
-    cols = np.array(per_row, dtype=np.int64).reshape(num_reqs, 8).T
-    num_new, caps, start, samples, slots, seeds, rounds, top_k = cols
-    temperature, top_p, min_p = np.array(per_row_f, dtype=np.float32).reshape(num_reqs, 3).T
-    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(num_new, out=qsl[1:])
-    total = int(qsl[-1])
-    # token stream: a row's non-draft tokens come first; its draft slots are placeholders
-    input_ids = np.zeros(total, dtype=np.int64)
-    nd = num_new - caps
-    input_ids[np.repeat(qsl[:-1] - (np.cumsum(nd) - nd), nd) + np.arange(len(toks))] = toks
-    row_of_token = np.repeat(np.arange(num_reqs), num_new)
-    positions = np.arange(total, dtype=np.int64) - qsl[row_of_token] + start[row_of_token]
+    cols = np.array(per_row, dtype=np.int64).reshape(num_reqs, 10).T
+    caps, start, slots, num_new, seq_lens = cols[1], cols[3], cols[4], cols[8], cols[9]
+    floats = np.ascontiguousarray(np.array(per_row_f, dtype=np.float32).reshape(num_reqs, 3).T)
     bt = block_tables  # [R, max blocks] (zero past each table's end)
     max_blocks = bt.shape[1]
-    slot_mapping = bt[row_of_token, positions // block_size] * block_size + positions % block_size
-    ints = [
-        input_ids, positions, slot_mapping, qsl, start + num_new, bt.reshape(-1), samples, caps,
-        nd, start, slots, seeds, rounds, top_k,
-    ]  # fmt: skip
-    fill = np.zeros((3, 0), dtype=np.int64)
-    num_drafts = int(caps.sum())
+    total = len(toks) + int(caps.sum())
+    # ints = stream [T] x3 (ids, positions, slot mapping), qsl [R+1], seq_lens [R], block
+    # tables [R*B], then the per-row tail [8, R]
+    ints = np.empty(3 * total + 2 * num_reqs + 1 + num_reqs * max_blocks + 8 * num_reqs,
+                    dtype=np.int64)  # fmt: skip
+    positions = ints[total : 2 * total]
+    slot_mapping = ints[2 * total : 3 * total]
+    o = 3 * total
+    qsl = ints[o : o + num_reqs + 1]
+    qsl[0] = 0
+    np.cumsum(num_new, out=qsl[1:])
+    ints[o + num_reqs + 1 : o + 2 * num_reqs + 1] = seq_lens
+    o += 2 * num_reqs + 1
+    ints[o : o + num_reqs * max_blocks] = bt.reshape(-1)
+    ints[o + num_reqs * max_blocks :].reshape(8, num_reqs)[:] = cols[:8]
+    # position of token t of row r: start_r + (t - qsl_r); its KV slot from r's block table
+    np.add(np.arange(total, dtype=np.int64), np.repeat(start - qsl[:-1], num_new), out=positions)
+    block, offset = np.divmod(positions, block_size)
+    block += np.repeat(np.arange(0, num_reqs * max_blocks, max_blocks), num_new)
+    np.multiply(bt.reshape(-1)[block], block_size, out=slot_mapping)
+    slot_mapping += offset
+    num_drafts = total - len(toks)
+    fill = np.zeros((3, num_drafts), dtype=np.int64)
     if num_drafts:  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
-        row = np.repeat(np.arange(num_reqs), caps)
         first = np.cumsum(caps) - caps  # index of each row's first draft among all drafts
-        src_k = np.arange(num_drafts) - first[row]
-        dst = (qsl[1:] - caps)[row] + src_k  # the row's draft slots close its query
-        fill = np.stack([dst, slots[row], src_k])
-    # column maxima / sums in one call each (num_new, caps, start, samples, ...)
-    hi = cols.max(axis=1) if num_reqs else np.zeros(8, dtype=np.int64)
+        idx = np.arange(num_drafts, dtype=np.int64)
+        fill[2] = idx - np.repeat(first, caps)  # the draft's index k within its row
+        fill[0] = fill[2] + np.repeat(qsl[1:] - caps, caps)  # the row's slots close its query
+        fill[1] = np.repeat(slots, caps)
+        non_draft = np.ones(total, dtype=bool)
+        non_draft[fill[0]] = False
+        ints[:total] = 0
+        ints[:total][non_draft] = toks
+    else:
+        ints[:total] = toks
+    # column maxima in one call; temperature / top_p / min_p extremes in one call each
+    hi = cols.max(axis=1) if num_reqs else np.zeros(10, dtype=np.int64)
+    fmax = floats.max(axis=1) if num_reqs else np.zeros(3, dtype=np.float32)
+    fmin = floats.min(axis=1) if num_reqs else np.ones(3, dtype=np.float32)
+    samples = cols[0]
     num_samples = int(samples.sum())
-    floats = np.stack([temperature, top_p, min_p])
     meta = np.array([
-        num_reqs, total, max_blocks, hi[0], int(ints[4].max()) if num_reqs else 0, num_samples,
-        bool((temperature <= GREEDY_EPS).all()), hi[1], num_samples + int(samples @ caps),
-        hi[7] > 0, bool((top_p < 1).any()), bool(min_p.any()), fill.shape[1],
+        num_reqs, total, max_blocks, hi[8], hi[9], num_samples, bool(fmax[0] <= GREEDY_EPS),
+        hi[1], num_samples + int(samples @ caps), hi[7] > 0, bool(fmin[1] < 1),
+        bool(fmax[2] > 0), num_drafts,
     ], dtype=np.int64)  # fmt: skip
-    return HostStep(meta, np.concatenate(ints), floats, fill)
+    return HostStep(meta, ints, floats, fill)
 
 
 def upload_step(
