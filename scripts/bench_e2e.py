@@ -6,6 +6,12 @@ sweeps the concurrency levels at each temperature; then the offline API checks t
 arms emit identical tokens at temperature 0 and measures the scheduler's overhead (planning +
 allocation) against the step time. Prints a table last; JSON, logs and plots go to --out.
 
+With --interleave the three servers run side by side (each with --num-kv-blocks blocks on a
+GPU, so that the first does not take the memory of all) and every level is measured arm after
+arm, the arms' order rotating from level to level: a host whose speed drifts over minutes (the
+H200 machine's small-model steps moved by up to 36% between identical runs) then shifts all
+arms of a level alike instead of whichever arm ran its whole sweep in the slow minutes.
+
     python3 scripts/bench_e2e.py --target T --drafter D --dataset humaneval \
         --dataset-path HumanEval.jsonl.gz --out $OUT
     # synthetic acceptance on a random-weight target (labelled SYNTHETIC everywhere):
@@ -47,9 +53,12 @@ def arms(args) -> dict[str, dict | None]:
 
 
 def engine_flags(args) -> list[str]:
-    return ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
-            "--device", args.device]  # fmt: skip
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens), "--max-model-len", str(args.max_model_len),
+             "--device", args.device]  # fmt: skip
+    if args.num_kv_blocks:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return flags
 
 
 def serve(args, spec, port, log_path):
@@ -76,12 +85,15 @@ def serve(args, spec, port, log_path):
     raise RuntimeError(f"server did not start in {args.start_timeout}s; see {log_path}")
 
 
-def sweep(args, url, arm, temp) -> dict:
-    out = os.path.join(args.out, f"{arm}_t{temp:g}.json")
+def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = None,
+          seed: int = 0, out: str | None = None) -> dict:
+    """`dspark bench serve` against one server: the whole sweep (default) or `levels`."""
+    out = out or os.path.join(args.out, f"{arm}_t{temp:g}.json")
+    warmup = args.warmup if warmup is None else warmup
     cmd = [sys.executable, "-m", "dspark", "bench", "serve", "--base-url", url,
-           "--sweep", args.sweep, "--num-prompts", str(args.num_prompts), "--ignore-eos",
-           "--prompts-per-concurrency", str(args.prompts_per_concurrency),
-           "--temperature", str(temp), "--seed", "0", "--warmup", str(args.warmup),
+           "--sweep", levels or args.sweep, "--num-prompts", str(args.num_prompts),
+           "--ignore-eos", "--prompts-per-concurrency", str(args.prompts_per_concurrency),
+           "--temperature", str(temp), "--seed", str(seed), "--warmup", str(warmup),
            "--warmup-tokens-per-level", str(args.warmup_tokens_per_level),
            "--percentiles", "50,99", "--save-result", out, "--label", arm, "--disable-tqdm",
            "--dataset", args.dataset, "--random-input-len", str(args.input_len),
@@ -92,6 +104,54 @@ def sweep(args, url, arm, temp) -> dict:
         cmd += ["--random-prompt-type", "token-ids"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.load(open(out))
+
+
+def run_sequential(args, temps) -> dict:
+    """Each arm's server in turn, its whole sweep at each temperature."""
+    results = {}
+    for i, (arm, spec) in enumerate(arms(args).items()):
+        proc, url = serve(args, spec, args.port + i, os.path.join(args.out, f"serve_{arm}.log"))
+        try:
+            for t in temps:
+                results[(arm, t)] = sweep(args, url, arm, t)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return results
+
+
+def run_interleaved(args, temps) -> dict:
+    """Every arm's server at once; each level arm after arm, the order rotating by level. A
+    level's prompts are the same for every arm (random prompts: seeded by the level's index,
+    so distinct across levels); each arm warms up before its first level of a temperature.
+    Each arm's levels are merged into one result file, as a sequential sweep writes it."""
+    procs, urls = [], {}
+    try:
+        for i, (arm, spec) in enumerate(arms(args).items()):
+            proc, urls[arm] = serve(args, spec, args.port + i,
+                                    os.path.join(args.out, f"serve_{arm}.log"))  # fmt: skip
+            procs.append(proc)
+        names, levels = list(urls), args.sweep.split(",")
+        results = {}
+        for t in temps:
+            parts: dict[str, list] = {arm: [] for arm in names}
+            for j, level in enumerate(levels):
+                for arm in names[j % len(names):] + names[: j % len(names)]:
+                    out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}.json")
+                    parts[arm].append(sweep(args, urls[arm], arm, t, level,
+                                            None if j == 0 else 0, j, out))  # fmt: skip
+            for arm in names:
+                merged = dict(parts[arm][0], results=[lv for p in parts[arm]
+                                                      for lv in p["results"]])  # fmt: skip
+                with open(os.path.join(args.out, f"{arm}_t{t:g}.json"), "w") as f:
+                    json.dump(merged, f, indent=1)
+                results[(arm, t)] = merged
+        return results
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
 
 
 def offline_checks(args) -> dict:
@@ -168,20 +228,18 @@ def main() -> int:
     a("--identity-tokens", type=int, default=128)
     a("--start-timeout", type=float, default=600)
     a("--port", type=int, default=8123)
+    a("--interleave", action="store_true",
+      help="all servers at once, each level arm after arm (order rotating by level)")
+    a("--num-kv-blocks", type=int, default=None,
+      help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
+        ap.error("--interleave needs --num-kv-blocks (the first server would take the memory)")
     os.makedirs(args.out, exist_ok=True)
     label = "SYNTHETIC acceptance " if args.synthetic_rates else ""
     temps = [float(t) for t in args.temperatures.split(",")]
-    results: dict = {}
-    for i, (arm, spec) in enumerate(arms(args).items()):
-        proc, url = serve(args, spec, args.port + i, os.path.join(args.out, f"serve_{arm}.log"))
-        try:
-            for t in temps:
-                results[(arm, t)] = sweep(args, url, arm, t)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    results = (run_interleaved if args.interleave else run_sequential)(args, temps)
     checks = offline_checks(args)
     # which execution path each server ran (a failed capture silently changes the arm)
     checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))

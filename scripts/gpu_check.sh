@@ -22,6 +22,8 @@
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
 # "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
 # call; synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
+# E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
+# measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
 # packs the rest (per-arm results, server logs, other plots) into one .tgz.
 set -uo pipefail

@@ -85,10 +85,11 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-@pytest.mark.parametrize("synthetic", [False, True])
-def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
+@pytest.mark.parametrize("synthetic,interleave", [(False, False), (True, False), (True, True)])
+def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps, offline checks), so
-    the script that spends GPU time cannot break unnoticed."""
+    the script that spends GPU time cannot break unnoticed; with --interleave the servers run
+    side by side and each level is measured arm after arm, the order rotating by level."""
     demo = "dspark/assets/demo"
     cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
@@ -99,8 +100,19 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic):
            "--port", str(_free_port_block(3))]  # fmt: skip
     if synthetic:
         cmd += ["--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3", "--temperatures", "0"]
+    if interleave:
+        cmd += ["--interleave"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    if interleave:  # one result file per arm and level, written in the rotating order
+        arms = ["nospec", "fixed7", "adaptive7"]
+        for level, order in ((1, arms), (2, arms[1:] + arms[:1])):
+            files = [tmp_path / f"{a}_t0_c{level}.json" for a in order]
+            times = [f.stat().st_mtime_ns for f in files]
+            assert times == sorted(times), (level, order, times)
+        # the level-2 results come from a later run than every level-1 result
+        assert min((tmp_path / f"{a}_t0_c2.json").stat().st_mtime_ns for a in arms) > max(
+            (tmp_path / f"{a}_t0_c1.json").stat().st_mtime_ns for a in arms)
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
     temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
