@@ -204,6 +204,36 @@ def test_drafting_turns_after_two_decisions_against_it(caplog):
     assert flips == ["adaptive verification: drafting " + w for w in ("off", "on", "off")]
 
 
+def test_margins_inside_the_guard_leave_the_state_as_it_is(monkeypatch):
+    """A dead band around parity: drafting turns on where it beats plain decoding by the
+    guard (5% here) and off only where plain decoding beats it by the guard; margins between
+    (the estimates' noise) never flip the state, however many decisions in a row see them.
+    The rates are set directly: this is the rule, not the cost model's arithmetic."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
+    d._survival[True] = d.survival = np.array([0.5, 0.25, 0.12, 0.06])
+    rates = {}  # spec tok/ms against a plain rate of 1.0
+    monkeypatch.setattr(drafting, "decode_rates", lambda *a: (1.0, rates["spec"]))
+
+    def decide(spec: float) -> bool:
+        rates["spec"] = spec
+        return d.after_plan(True, cost, fixed, False, 4, 4, 0)[0]
+
+    assert decide(1.03) is False  # the first verdict: drafting must win by the guard
+    assert [decide(s) for s in (1.04, 1.0, 1.049, 1.03)] == [False] * 4  # inside: stays off
+    assert [decide(s) for s in (1.06, 1.06)] == [False, True]  # won by the guard twice: on
+    # on: margins down to plain winning by just under the guard keep it on ...
+    assert [decide(s) for s in (0.97, 0.96, 1.0, 0.953, 0.96)] == [True] * 5
+    # ... plain winning by more than the guard twice in a row turns it off
+    assert [decide(s) for s in (0.94, 0.93)] == [True, False]
+
+
 @pytest.mark.parametrize("accepted, predicted, first_scale", [(30.0, 10.0, 2.0),
                                                               (5.0, 20.0, 1.0)])
 def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp_path, accepted,
