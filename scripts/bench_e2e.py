@@ -10,7 +10,9 @@ With --interleave the three servers run side by side (each with --num-kv-blocks 
 GPU, so that the first does not take the memory of all) and every level is measured arm after
 arm, the arms' order rotating from level to level: a host whose speed drifts over minutes (the
 H200 machine's small-model steps moved by up to 36% between identical runs) then shifts all
-arms of a level alike instead of whichever arm ran its whole sweep in the slow minutes.
+arms of a level alike instead of whichever arm ran its whole sweep in the slow minutes. For
+small pairs: three 8B-shape servers with the KV cache of 256 requests x 768 tokens (~28 GB
+each) and their weights do not fit one H200.
 
     python3 scripts/bench_e2e.py --target T --drafter D --dataset humaneval \
         --dataset-path HumanEval.jsonl.gz --out $OUT
