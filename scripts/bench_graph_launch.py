@@ -9,6 +9,7 @@ on a 1 KiB tensor, so the device time is negligible and the host time is the lau
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -16,7 +17,8 @@ import torch
 
 
 def host_us_per_replay(num_kernels: int, replays: int) -> tuple[float, float]:
-    """(host us per replay, fastest of 5 blocks; device us per replay, synchronized)."""
+    """(median host us of one replay onto an idle device; wall us per replay, back to back
+    and synchronized at the end)."""
     x = torch.zeros(256, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, kernels)
@@ -32,19 +34,19 @@ def host_us_per_replay(num_kernels: int, replays: int) -> tuple[float, float]:
             y = y.add_(1.0)
     graph.replay()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
+    host = []
+    for _ in range(replays):  # each launch onto an idle device, as a host-bound step's is
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        best = min(best, (time.perf_counter() - t0) / replays)
-        torch.cuda.synchronize()  # (outside the timed loop: host time only)
+        graph.replay()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
     device = (time.perf_counter() - t0) / replays
-    return best * 1e6, device * 1e6
+    return statistics.median(host) * 1e6, device * 1e6
 
 
 def main() -> int:
