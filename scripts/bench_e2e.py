@@ -140,8 +140,8 @@ def run_interleaved(args, temps) -> dict:
             for j, level in enumerate(levels):
                 for arm in names[j % len(names):] + names[: j % len(names)]:
                     out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}.json")
-                    parts[arm].append(sweep(args, urls[arm], arm, t, level,
-                                            None if j == 0 else 0, j, out))  # fmt: skip
+                    parts[arm].append(sweep(args, urls[arm], arm, t, levels=level, out=out,
+                                            warmup=None if j == 0 else 0, seed=j))  # fmt: skip
             for arm in names:
                 merged = dict(parts[arm][0], results=[lv for p in parts[arm]
                                                       for lv in p["results"]])  # fmt: skip

@@ -175,7 +175,8 @@ def pack_step(
     floats = np.ascontiguousarray(np.array(per_row_f, dtype=np.float32).reshape(num_reqs, 3).T)
     bt = block_tables  # [R, max blocks] (zero past each table's end)
     max_blocks = bt.shape[1]
-    total = len(toks) + int(caps.sum())
+    num_drafts = int(caps.sum())
+    total = len(toks) + num_drafts
     # ints = stream [T] x3 (ids, positions, slot mapping), qsl [R+1], seq_lens [R], block
     # tables [R*B], then the per-row tail [8, R]
     ints = np.empty(3 * total + 2 * num_reqs + 1 + num_reqs * max_blocks + 8 * num_reqs,
@@ -196,7 +197,6 @@ def pack_step(
     block += np.repeat(np.arange(0, num_reqs * max_blocks, max_blocks), num_new)
     np.multiply(bt.reshape(-1)[block], block_size, out=slot_mapping)
     slot_mapping += offset
-    num_drafts = total - len(toks)
     fill = np.zeros((3, num_drafts), dtype=np.int64)
     if num_drafts:  # draft slots [anchor, d_1..d_c] are filled from the device draft buffer
         first = np.cumsum(caps) - caps  # index of each row's first draft among all drafts

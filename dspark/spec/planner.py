@@ -276,9 +276,7 @@ class Planner:
         capacities' sum when the caller knows it (the packed step's)."""
         if self.policy != "lagged":
             return None
-        caps = capacities
-        if not isinstance(caps, np.ndarray) or caps.dtype != np.int64 or caps.ndim != 1:
-            caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
+        caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
         if total is None:
