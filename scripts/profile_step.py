@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -104,8 +105,13 @@ def host_timers(llm: LLM, args, temp: float, label: str) -> str:
              (spec.drafting, "after_plan"), (mr, "pack_step"), (mr, "upload_step"),
              (spec, "choose_lengths"), (eng, "_deliver_outputs"), (eng, "_commit_launched"),
              (eng, "_commit"), (spec, "observe_step_time")]  # fmt: skip
-    if eng.runner.step_graphs is not None:
-        parts.append((eng.runner.step_graphs, "start"))
+    graphs = eng.runner.step_graphs
+    if graphs is not None:
+        import dspark.engine.step_graph as sg
+
+        parts += [(graphs, "start"), (graphs, "_replay"), (graphs, "allocation_ms"),
+                  (sg, "fill_host"), (spec, "_copy_conf_to_host"),
+                  (torch.cuda.CUDAGraph, "replay")]  # fmt: skip
     spent = {f"{type(o).__name__}.{n}": [0.0, 0] for o, n in parts}
     saved = []
     for obj, name in parts:
@@ -121,11 +127,12 @@ def host_timers(llm: LLM, args, temp: float, label: str) -> str:
                 _acc[1] += 1
 
         setattr(obj, name, timed)
+    marks = _mark_graph_steps(graphs) if graphs is not None and torch.cuda.is_available() else []
     s0 = llm.engine.stats["steps"]
     try:
         measure(llm, args.profile_concurrency, args, temp)
     finally:
-        for obj, name, old in saved:
+        for obj, name, old in saved:  # (the events' wrapper replaced start's timer: one attr)
             if old is None:
                 delattr(obj, name)
             else:
@@ -133,7 +140,39 @@ def host_timers(llm: LLM, args, temp: float, label: str) -> str:
     steps = max(llm.engine.stats["steps"] - s0, 1)  # (measure()'s warm-up run and its run)
     rows = [f"  {name:<32} {t * 1e6 / steps:9.1f} us per step ({n / steps:.2f} calls)"
             for name, (t, n) in spent.items()]  # fmt: skip
+    rows += _device_idle(marks)
     return "\n".join([f"### host timers {label} at concurrency {args.profile_concurrency}"] + rows)
+
+
+def _mark_graph_steps(graphs) -> list:
+    """CUDA events enqueued before and after each whole-step graph start: the device reaches
+    them in stream order, so (before of step n+1) - (after of step n) is how long the device
+    sat idle between two graph steps, and after - before a step's device span."""
+    marks, start = [], graphs.start
+
+    def marked(*a, **k):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        out = start(*a, **k)
+        after.record()
+        marks.append((before, after))
+        return out
+
+    graphs.start = marked
+    return marks
+
+
+def _device_idle(marks: list) -> list[str]:
+    if len(marks) < 2:
+        return []
+    torch.cuda.synchronize()
+    span = np.array([b.elapsed_time(a) for b, a in marks])
+    idle = np.array([a0.elapsed_time(b1) for (_, a0), (b1, _) in zip(marks, marks[1:])])
+    idle = idle[idle < 20 * np.median(span)]  # (not across a prefill step off the graphs)
+    return [f"  device span of a graph step       {np.median(span) * 1e3:9.1f} us median "
+            f"({len(span)} steps)",
+            f"  device idle between graph steps   {np.median(idle) * 1e3:9.1f} us median, "
+            f"{np.mean(idle) * 1e3:.1f} mean"]  # fmt: skip
 
 
 def profile(llm: LLM, args, temp: float, label: str) -> str:

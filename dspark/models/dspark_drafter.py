@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.attention.base import AttentionBackend
-from dspark.layers.norm import RMSNorm
+from dspark.layers.norm import RMSNorm, fused_ops
 from dspark.layers.parallel import QKVParallelLinear, RowParallelLinear
 from dspark.layers.rotary import RotaryEmbedding
 from dspark.models.config import parse_dtype
@@ -247,19 +247,29 @@ class DSparkDrafter(nn.Module):
         head = self.markov_head
         state = None if head is None else head.init_state(num_reqs, h)
         prev = anchor_ids
+        # greedy drafts without max_probs need only the argmax: one fused pass over the
+        # vocabulary per slot on CUDA (layers/argmax_triton.py) instead of fp32 copies
+        fused = not probabilistic and max_probs is None and fused_ops(base_logits) is not None
+        if fused:
+            from dspark.layers.argmax_triton import biased_argmax
         for k in range(k_max):
             h_k = h[:, k]
-            logits = base_logits[:, k].float()
-            prev_emb = None
+            prev_emb = bias = None
             if head is not None:
                 prev_emb = head.prev_embedding(prev)
                 bias, state = head.step(prev_emb, h_k, state)
-                logits = logits + bias.float()
             if conf_logits is not None:
                 feats = h_k if prev_emb is None or not cfg.confidence_head_with_markov else (
                     torch.cat([h_k, prev_emb.to(h_k.dtype)], dim=-1)
                 )
                 conf_logits[:, k] = self.confidence_head(feats)
+            if fused and (bias is None or bias.dtype == base_logits.dtype):
+                biased_argmax(base_logits[:, k], bias, token_ids[:, k])
+                prev = token_ids[:, k]
+                continue
+            logits = base_logits[:, k].float()
+            if bias is not None:
+                logits = logits + bias.float()
             top = logits.max(dim=-1)
             if max_probs is not None:
                 max_probs[:, k] = torch.exp(top.values - torch.logsumexp(logits, dim=-1))
