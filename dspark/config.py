@@ -41,11 +41,11 @@ class SpeculativeConfig:
     online_cost_correction: bool = True
     # lagged policy: skip drafting entirely while no verify length would pay for the drafter
     draft_skipping: bool = True
-    # ... and while drafting, run a few steps without it now and then to measure plain steps.
-    # Off by default: in a server their short runs miss what steady plain decoding pays (H200,
-    # c = 128: 3.2 ms learned against 8.0 ms per no-speculation step), and drafting was then
-    # turned off where fixed K beat no speculation by 20-66% (BENCHMARKS.md, ninth session)
-    plain_probes: bool = False
+    # ... and while drafting, run 12 steps without it now and then to measure plain steps
+    # (without them plain decoding is priced with the speculative steps' fixed term, which in
+    # a server also holds what only they pay: drafting never stopped at c = 128 on the 8B
+    # shape, 20% below no speculation; spec/drafting.py, BENCHMARKS.md twelfth session)
+    plain_probes: bool = True
     # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
     # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were
     synthetic_acceptance_rates: list[float] | None = None

@@ -23,16 +23,18 @@ raw live confidences.
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
                 PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
-  plain probe   (`plain_probes`, off by default) while drafting, a batch size whose plain
+  plain probe   (`plain_probes`, on by default) while drafting, a batch size whose plain
                 steps were not measured lately gets _PLAIN_PROBE_STEPS steps without drafting.
                 Without it plain decoding is priced with the speculative steps' fixed term,
-                which also holds the drafter's and verification's host work: it looks dearer
-                than it is and drafting can go on where it loses (H200, trained pair, T = 1,
-                c = 1: no speculation 24% faster). With it, a server learned plain steps far
-                cheaper than steady plain decoding runs (H200, c = 128: 3.2 ms learned, 8.0 ms
-                per step of the no-speculation server; likely because two observed steps end
-                before the streaming of their outputs slows the engine, not measured), and
-                drafting stopped where it won.
+                which also holds what only speculation pays: in a server, speculative steps
+                are not scheduled ahead, so the host's work between them (its share of the
+                streaming too) lengthens them and not the plain ones. Plain decoding then
+                looks dearer than it is and drafting goes on where it loses (H200, 8B shape,
+                SYNTHETIC, twelfth session: a speculative term of 8.7 ms learned at c = 128,
+                drafting never stopped, 20% below no speculation; trained pair, T = 1, c = 1:
+                no speculation 24% faster). The ninth session's 4-step probes learned plain
+                steps too cheap and turned drafting off where it won; probes are now 12
+                steps, the median of ~10 observed ones.
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ logger = logging.getLogger(__name__)
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter)
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 PROBE_ROWS = 8  # ... for this many rows of the step
-# planned steps of a plain probe: the first still verifies the drafts before it; with async
-# scheduling two of the others are observed (a step left in flight is observed by the next call)
-_PLAIN_PROBE_STEPS = 4
-_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
+# planned steps of a plain probe: the first still verifies the drafts before it, the others
+# are observed (with async scheduling a step left in flight is observed by the next call): ~10,
+# more than the fixed term's MIN_SAMPLES, so one probe gives the median of a run of plain steps
+# rather than of the two first ones after drafting (4-step probes learned plain steps far
+# cheaper than a plain server ran them: H200, ninth session)
+_PLAIN_PROBE_STEPS = 12
+_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket ...
+# ... or this many times as many where the last decision had drafting ahead by _WIDE_MARGIN:
+# there the probe's plain steps cost the most and are the least likely to change the verdict
+_PLAIN_PROBE_SPACING_WIDE = 4
+_WIDE_MARGIN = 1.5  # best verify length's tokens/ms over plain decoding's
 # drafting turns on / off after this many consecutive decisions against its state: a server
 # passes through batch sizes for a step or two (a request finished, the next not yet arrived),
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
@@ -69,7 +78,7 @@ FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py co
 
 class DraftingDecision:
     def __init__(self, k: int, min_predicted_gain: float, enabled: bool,
-                 plain_probes: bool = False):  # fmt: skip
+                 plain_probes: bool = True):  # fmt: skip
         self.k = k
         self.min_predicted_gain = min_predicted_gain
         self.enabled = enabled  # draft skipping on (off: every step drafts)
@@ -88,6 +97,7 @@ class DraftingDecision:
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
         self._flip_logged = -math.inf
+        self._margin = 1.0  # the last decision's drafting rate over plain decoding's
 
     def due(self, num_reqs: int) -> bool:
         """Whether this step decides again (call once per planned step)."""
@@ -200,6 +210,7 @@ class DraftingDecision:
             return True
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
+        self._margin = spec / plain if plain > 0 else math.inf
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
                          fixed.age("plain", num_sampling) < math.inf, survival,
@@ -224,8 +235,10 @@ class DraftingDecision:
             return False
         bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
         last = self._plain_probed.get(bucket)
-        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
-            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
+        every = _PLAIN_PROBE_EVERY * (_PLAIN_PROBE_SPACING_WIDE if self._margin >= _WIDE_MARGIN
+                                      else 1)  # fmt: skip
+        if (last is not None and self._plans - last < every) or (
+            fixed.age("plain", num_sampling) < every
         ):
             return False
         self._plain_probed[bucket] = self._plans

@@ -91,7 +91,7 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, caplog, prob
     plain decoding with the speculative steps' fixed term, which also holds what only
     speculation pays. With `plain_probes`, a short plain probe measures it: here speculative
     steps pay 4 ms of fixed cost and plain ones 0.2 ms, so drafting stops once plain steps
-    are measured, and never without the probe (the default)."""
+    are measured (the default), and never without the probe."""
     from pathlib import Path
 
     full = make_tiny_drafter(str(tmp_path / "full"), tiny_qwen)
@@ -100,8 +100,7 @@ def test_plain_steps_are_probed_while_drafting(tiny_qwen, tmp_path, caplog, prob
     (bare / "config.json").write_text((Path(full) / "config.json").read_text())
     cfg = {"model": str(bare), "num_speculative_tokens": 4, "adaptive_policy": "lagged",
            "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.6] * 4}
-    if probe:
-        cfg["plain_probes"] = True
+    cfg["plain_probes"] = probe
     llm = LLM(tiny_qwen, device="cpu", load_format="dummy", speculative_config=cfg)
     spec = llm.engine.runner.spec
     table = CostModel.from_measurements([1, 64], [1.0, 1.5], [1, 64], [0.5, 0.5],
@@ -313,3 +312,30 @@ def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, dra
     assert len(seen) > fresh + 5 and all(not np.isnan(s).any() for s in seen)
     assert any(s.shape[0] < len(PROMPTS) for s in seen[fresh:])  # some rows were left out
     assert spec.drafting.acceptance_ratio(True) > 0  # the check still ran on known rows
+
+
+def test_plain_probes_are_spaced_out_where_drafting_leads_widely():
+    """A plain probe costs most where drafting wins by far (c = 1: 12 steps of 1 token in
+    place of ~2.5): after a decision with drafting 1.5x ahead the next probe of the bucket
+    waits 4 x 512 plans instead of 512."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import FixedCosts
+
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    assert d.plain_probes  # the default
+    d.survival = np.ones(4)
+    fixed = FixedCosts()
+    assert d._plain_probe_due(fixed, 16, 0)  # plain never measured at this bucket
+    assert not d._plain_probe_due(fixed, 16, 0)  # ... and now just probed
+    assert not d._plain_probe_due(fixed, 16, 64)  # (never beside prefill chunks)
+    d._plans += 600
+    d._margin = 2.0  # the last decision: drafting twice plain decoding's tokens/ms
+    assert not d._plain_probe_due(fixed, 16, 0)
+    d._plans += 1500  # 2,100 plans since the probe
+    assert d._plain_probe_due(fixed, 16, 0)
+    d._plans += 600
+    d._margin = 1.2  # a narrow lead: every 512 plans
+    assert d._plain_probe_due(fixed, 16, 0)
+    assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
