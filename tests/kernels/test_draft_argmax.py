@@ -7,26 +7,16 @@ Qwen3 vocabulary and inside a CUDA graph. Indices must be identical: the sum is 
 add of the same two upcast values, and ties go to the first index in both.
 """
 
-import os
-
+import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernels import triton_env as env  # first: it sets TRITON_INTERPRET on CPU
 
-import pytest  # noqa: E402
+DEVICE, HAS_CUDA, INTERPRET, cuda_only, ops = (env.DEVICE, env.HAS_CUDA, env.INTERPRET,
+                                               env.cuda_only, env.ops)  # fmt: skip
 
-pytest.importorskip("triton")
-
-from dspark.layers import triton_ops as ops  # noqa: E402
 from dspark.layers.argmax_triton import biased_argmax  # noqa: E402
 
-INTERPRET = ops.INTERPRET
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
-cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA device")
 BLOCK = 64 if INTERPRET else 2048
 
 

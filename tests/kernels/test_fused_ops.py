@@ -12,32 +12,22 @@ rounding step of the result or of an intermediate).
 """
 
 import contextlib
-import os
 
+import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernels import triton_env as env  # first: it sets TRITON_INTERPRET on CPU
 
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
+DEVICE, cuda_only, ops = env.DEVICE, env.cuda_only, env.ops
 
 import torch.nn.functional as F  # noqa: E402
 
 from dspark.forward_context import ForwardContext, forward_context  # noqa: E402
-from dspark.layers import triton_ops as ops  # noqa: E402
 from dspark.layers.norm import RMSNorm, fused_ops  # noqa: E402
 from dspark.layers.rotary import RotaryEmbedding  # noqa: E402
 from dspark.models.config import ModelConfig  # noqa: E402
 from dspark.models.qwen3 import MLP, Attention  # noqa: E402
 
-INTERPRET = ops.INTERPRET
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
-cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA device")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ROPES = {
     "default": {"rope_theta": 1_000_000.0},
