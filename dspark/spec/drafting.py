@@ -26,15 +26,16 @@ Two kinds of probe keep both sides of the comparison measured:
   plain probe   (`plain_probes`, on by default) while drafting, a batch size whose plain
                 steps were not measured lately gets _PLAIN_PROBE_STEPS steps without drafting.
                 Without it plain decoding is priced with the speculative steps' fixed term,
-                which also holds what only speculation pays: in a server, speculative steps
-                are not scheduled ahead, so the host's work between them (its share of the
-                streaming too) lengthens them and not the plain ones. Plain decoding then
+                which also holds what only speculative steps pay (verification, the drafter's
+                context, the allocation: 2.0 ms per step offline at c = 64 on the 8B shape;
+                8.7 ms learned in a server at c = 128, not broken down). Plain decoding then
                 looks dearer than it is and drafting goes on where it loses (H200, 8B shape,
-                SYNTHETIC, twelfth session: a speculative term of 8.7 ms learned at c = 128,
-                drafting never stopped, 20% below no speculation; trained pair, T = 1, c = 1:
-                no speculation 24% faster). The ninth session's 4-step probes learned plain
-                steps too cheap and turned drafting off where it won; probes are now 12
-                steps, the median of ~10 observed ones.
+                SYNTHETIC, twelfth session: drafting never stopped at c = 128, 20% below no
+                speculation; trained pair, T = 1, c = 1: no speculation 24% faster). The
+                ninth session's 4-step probes learned plain steps too cheap and turned
+                drafting off where it won; probes are now 12 steps (the median of ~10
+                observed ones), and only where plain steps at the table's bare forward
+                price could win (at low load drafting beats even that: no probe).
 """
 
 from __future__ import annotations
@@ -59,11 +60,7 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 # rather than of the two first ones after drafting (4-step probes learned plain steps far
 # cheaper than a plain server ran them: H200, ninth session)
 _PLAIN_PROBE_STEPS = 12
-_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket ...
-# ... or this many times as many where the last decision had drafting ahead by _WIDE_MARGIN:
-# there the probe's plain steps cost the most and are the least likely to change the verdict
-_PLAIN_PROBE_SPACING_WIDE = 4
-_WIDE_MARGIN = 1.5  # best verify length's tokens/ms over plain decoding's
+_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
 # drafting turns on / off after this many consecutive decisions against its state: a server
 # passes through batch sizes for a step or two (a request finished, the next not yet arrived),
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
@@ -97,7 +94,10 @@ class DraftingDecision:
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
         self._flip_logged = -math.inf
-        self._margin = 1.0  # the last decision's drafting rate over plain decoding's
+        # the last decision: could plain decoding at its cheapest (the table's bare forward,
+        # less a negative fixed term if one was measured) beat drafting by the guard? If
+        # not, no plain probe can turn drafting off, and probing would only cost tokens
+        self._plain_may_win = False
 
     def due(self, num_reqs: int) -> bool:
         """Whether this step decides again (call once per planned step)."""
@@ -210,7 +210,9 @@ class DraftingDecision:
             return True
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
-        self._margin = spec / plain if plain > 0 else math.inf
+        g = self.min_predicted_gain
+        cheapest = min(0.0, 0.0 if plain_fixed is None else plain_fixed)
+        self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
                          fixed.age("plain", num_sampling) < math.inf, survival,
@@ -220,7 +222,6 @@ class DraftingDecision:
         # drafting does. Between, the state stands: margins inside it are the estimates' own
         # noise (H200, trained pair, T = 1, c = 4: flips on margins of 0.1-5% ran 206 plain
         # and 149 speculative steps, below both pure arms: 2,548 tok/s against 3,225 / 3,789)
-        g = self.min_predicted_gain
         if self.pays and self._decided:
             return spec * (1.0 + g) >= plain
         return spec > plain * (1.0 + g)
@@ -228,17 +229,18 @@ class DraftingDecision:
     def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
         """While drafting pays: plain steps at this batch size not measured lately. Only on
         decode steps (steps with prefill chunks are not observed), at most once per
-        _PLAIN_PROBE_EVERY plans and bucket."""
+        _PLAIN_PROBE_EVERY plans and bucket, and only where the last decision found that
+        plain decoding could win (`_plain_may_win`): where drafting beats plain steps priced
+        at the table's bare forward (low load), a probe costs ~60% of its steps' tokens and
+        cannot change the verdict (H200, 8B shape, SYNTHETIC, c = 4: 22 probe steps, -3%)."""
         if (not self.enabled or not self.plain_probes or not self.pays
-                or self._plain_probe_left > 0
+                or not self._plain_may_win or self._plain_probe_left > 0
                 or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
             return False
         bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
         last = self._plain_probed.get(bucket)
-        every = _PLAIN_PROBE_EVERY * (_PLAIN_PROBE_SPACING_WIDE if self._margin >= _WIDE_MARGIN
-                                      else 1)  # fmt: skip
-        if (last is not None and self._plans - last < every) or (
-            fixed.age("plain", num_sampling) < every
+        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
+            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
         ):
             return False
         self._plain_probed[bucket] = self._plans

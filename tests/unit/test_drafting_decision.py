@@ -314,28 +314,32 @@ def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, dra
     assert spec.drafting.acceptance_ratio(True) > 0  # the check still ran on known rows
 
 
-def test_plain_probes_are_spaced_out_where_drafting_leads_widely():
-    """A plain probe costs most where drafting wins by far (c = 1: 12 steps of 1 token in
-    place of ~2.5): after a decision with drafting 1.5x ahead the next probe of the bucket
-    waits 4 x 512 plans instead of 512."""
+def test_plain_probes_only_where_plain_decoding_could_win():
+    """A plain probe costs most where drafting wins by far (c = 4: 12 steps of one token in
+    place of ~2.5 each) and there it cannot change the verdict: drafting turns off only if
+    plain decoding beats it by the guard, and plain steps cost at least the table's bare
+    forward. So a bucket is probed only where plain decoding at that price would win."""
     import numpy as np
 
     from dspark.spec.drafting import DraftingDecision
     from dspark.spec.online_cost import FixedCosts
 
+    # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     assert d.plain_probes  # the default
-    d.survival = np.ones(4)
-    fixed = FixedCosts()
-    assert d._plain_probe_due(fixed, 16, 0)  # plain never measured at this bucket
-    assert not d._plain_probe_due(fixed, 16, 0)  # ... and now just probed
+    d.update_survival(np.full((4, 4), 0.9))  # survivals sum to ~3.1: drafting far ahead
+    assert d._pays(cost, fixed, 4)
+    assert not d._plain_may_win and not d._plain_probe_due(fixed, 4, 0)
+    for _ in range(20):  # survivals ~0.45, 0.2, ...: drafting ahead only by the stand-in
+        d.update_survival(np.full((4, 4), 0.45))
+    assert d._pays(cost, fixed, 4)  # with plain priced by the speculative term (2 ms) ...
+    assert d._plain_may_win  # ... but at the bare forward (1.04 ms) plain decoding wins
+    assert d._plain_probe_due(fixed, 4, 0)
+    assert not d._plain_probe_due(fixed, 4, 0)  # just probed: not again for 512 plans
     assert not d._plain_probe_due(fixed, 16, 64)  # (never beside prefill chunks)
     d._plans += 600
-    d._margin = 2.0  # the last decision: drafting twice plain decoding's tokens/ms
-    assert not d._plain_probe_due(fixed, 16, 0)
-    d._plans += 1500  # 2,100 plans since the probe
-    assert d._plain_probe_due(fixed, 16, 0)
-    d._plans += 600
-    d._margin = 1.2  # a narrow lead: every 512 plans
-    assert d._plain_probe_due(fixed, 16, 0)
+    assert d._plain_probe_due(fixed, 4, 0)
     assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
