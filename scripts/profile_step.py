@@ -112,16 +112,17 @@ def host_timers(llm: LLM, args, temp: float, label: str) -> str:
         parts += [(graphs, "start"), (graphs, "_replay"), (graphs, "allocation_ms"),
                   (sg, "fill_host"), (spec, "_copy_conf_to_host"),
                   (torch.cuda.CUDAGraph, "replay")]  # fmt: skip
-    def label(o, n: str) -> str:  # Class.method, module.function
+
+    def timer_name(o, n: str) -> str:  # Class.method, module.function
         return f"{o.__name__ if isinstance(o, type) else type(o).__name__}.{n}"
 
-    spent = {label(o, n): [0.0, 0] for o, n in parts}
+    spent = {timer_name(o, n): [0.0, 0] for o, n in parts}
     saved = []
     for obj, name in parts:
         fn = getattr(obj, name)
         saved.append((obj, name, obj.__dict__.get(name)))
 
-        def timed(*a, _fn=fn, _acc=spent[label(obj, name)], **k):
+        def timed(*a, _fn=fn, _acc=spent[timer_name(obj, name)], **k):
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **k)
