@@ -333,6 +333,14 @@ def print_table(args, temps, results, checks, label) -> None:
                   "plain ms; acceptance ratio): " + ", ".join(
                       f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
                       if st))  # fmt: skip
+        for n in names:  # servers started with DSPARK_STEP_CLOCK=1
+            clocks = [r.get("step_clock") for r in results[(n, t)]["results"]]
+            if any(clocks):
+                print(f"{n} device ms per step by kind, busy + idle before it: " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + " ".join(
+                        f"{k} {v['busy_ms_per_step']:.2f}+{v['idle_ms_per_step']:.2f}"
+                        for k, v in sorted((c or {}).items()))
+                    for lvl, c in zip(levels, clocks)))  # fmt: skip
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip

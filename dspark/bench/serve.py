@@ -26,7 +26,12 @@ import numpy as np
 from tqdm.asyncio import tqdm
 
 from dspark.bench.datasets import SampleRequest
-from dspark.bench.spec_stats import fetch_spec_counters, spec_from_counters, spec_from_responses
+from dspark.bench.spec_stats import (
+    clock_from_counters,
+    fetch_spec_counters,
+    spec_from_counters,
+    spec_from_responses,
+)
 
 MAX_KEPT_ERRORS = 5
 
@@ -306,6 +311,9 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             m["spec_decode"] = spec_from_responses(outputs) or from_counters
             if from_counters is not None and m["spec_decode"] is not from_counters:
                 m["spec_decode"]["metrics_delta"] = from_counters
+            clock = clock_from_counters(before, after)
+            if clock is not None:  # (a server started with DSPARK_STEP_CLOCK=1)
+                m["step_clock"] = clock
             results.append(m)
             if on_level is not None:
                 on_level(m)

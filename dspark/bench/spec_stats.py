@@ -25,6 +25,10 @@ STEP_KIND_METRIC = "dspark_spec_steps_total"
 # the adaptive policy's drafting decision: learned fixed terms and acceptance ratio (gauges)
 LEARNED_METRIC = "dspark_spec_learned_fixed_ms"
 RATIO_METRIC = "dspark_spec_acceptance_ratio"
+# servers started with DSPARK_STEP_CLOCK=1: device busy / idle time by kind of step
+CLOCK_METRICS = {"steps": "dspark_step_clock_steps_total",
+                 "busy_ms": "dspark_step_device_busy_ms_total",
+                 "idle_ms": "dspark_step_device_idle_ms_total"}  # fmt: skip
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -84,8 +88,11 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
     kinds = series_by_label(text, STEP_KIND_METRIC, "kind")
     state = {"learned_fixed_ms": learned_terms(text),
              "acceptance_ratio": series_by_label(text, RATIO_METRIC, "mode")}
+    clock = {f"clock:{field}:{kind}": v for field, name in CLOCK_METRICS.items()
+             for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
-        f"steps:{kind}": v for kind, v in kinds.items()} | {k: v for k, v in state.items() if v}
+        f"steps:{kind}": v for kind, v in kinds.items()} | {
+        k: v for k, v in state.items() if v} | clock
 
 
 def learned_terms(text: str) -> dict[str, dict[str, dict[str, float]]]:
@@ -134,3 +141,22 @@ def spec_from_counters(before: dict | None, after: dict | None, num_requests: in
         if key in after:
             summary[key] = after[key]
     return summary
+
+
+def clock_from_counters(before: dict | None, after: dict | None) -> dict | None:
+    """{kind: {steps, busy_ms_per_step, idle_ms_per_step}} over a level, from the step-clock
+    counters of a server started with DSPARK_STEP_CLOCK=1 (None without them)."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for key in after:
+        if not key.startswith("clock:steps:"):
+            continue
+        kind = key.removeprefix("clock:steps:")
+        n = after[key] - before.get(key, 0.0)
+        if n > 0:
+            grew = {f: after.get(f"clock:{f}:{kind}", 0.0) - before.get(f"clock:{f}:{kind}", 0.0)
+                    for f in ("busy_ms", "idle_ms")}  # fmt: skip
+            out[kind] = {"steps": n, "busy_ms_per_step": grew["busy_ms"] / n,
+                         "idle_ms_per_step": grew["idle_ms"] / n}  # fmt: skip
+    return out or None

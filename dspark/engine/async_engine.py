@@ -387,3 +387,6 @@ class AsyncLLMEngine:
             "spec_verified_per_pos": list(spec.verified_per_pos),
             "spec_runtime": runtime,
         }
+        clock = getattr(eng.runner, "step_clock", None)
+        if clock is not None and clock.enabled:  # DSPARK_STEP_CLOCK=1: device busy / idle
+            self._snapshot["step_clock"] = clock.snapshot()

@@ -33,6 +33,7 @@ from dspark.engine.input_batch import (
     upload_step,
 )
 from dspark.engine.scheduler import SchedulerOutput
+from dspark.engine.step_clock import clock_for
 from dspark.engine.step_graph import CaptureFailed, StepGraphs
 from dspark.engine.step_layout import pack_outputs, unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
@@ -80,6 +81,7 @@ class ModelRunner:
         self.config = config
         self.model_cfg = model_cfg
         self.device = device
+        self.step_clock = clock_for(device)  # DSPARK_STEP_CLOCK=1 (step_clock.py)
         self.dtype = dtype
         self.block_size = config.block_size
         dummy = config.load_format == "dummy"
@@ -265,12 +267,14 @@ class ModelRunner:
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
         plan = self.spec.plan(host) if self.spec is not None else None
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
+        clock = self.step_clock.begin()  # (None unless DSPARK_STEP_CLOCK=1)
         if key is not None:  # the whole device half as (at most) two graph replays
             try:
                 wait_graph = self.step_graphs.start(host, key, plan)
             except CaptureFailed:
                 pass  # logged; the step runs on the per-phase path below
             else:
+                self.step_clock.end(clock, rows, self.spec)
                 width = self.step_graphs.width(key)
                 # the cost model's input: the packed count would price a trimmed step as
                 # verify-all (its learned fixed term then went far negative on the H200)
@@ -286,6 +290,8 @@ class ModelRunner:
 
                 def wait_step():
                     return result
+
+        self.step_clock.end(clock, rows, self.spec)
 
         def wait() -> StepResult:
             host_out, inp, width = wait_step()

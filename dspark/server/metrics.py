@@ -59,6 +59,18 @@ class ServerMetrics:
             "verified or proposed), draft (proposing only), verify, mixed (with prefill chunks).",
             ["kind"], registry=r,
         )  # fmt: skip
+        self.clock_steps = Counter(
+            "dspark_step_clock_steps", "Steps timed by DSPARK_STEP_CLOCK=1, by kind (as "
+            "dspark_spec_steps; without speculation plain or mixed).", ["kind"], registry=r,
+        )  # fmt: skip
+        self.clock_busy = Counter(
+            "dspark_step_device_busy_ms", "Device time from a step's first to its last "
+            "enqueued work (DSPARK_STEP_CLOCK=1), by kind.", ["kind"], registry=r,
+        )  # fmt: skip
+        self.clock_idle = Counter(
+            "dspark_step_device_idle_ms", "Device idle before a step, waiting for the host to "
+            "enqueue it (DSPARK_STEP_CLOCK=1), by kind.", ["kind"], registry=r,
+        )  # fmt: skip
         self._last: dict[str, float] = {}
         self.ttft = Histogram(
             "dspark_time_to_first_token_seconds", "Time to the first token.",
@@ -171,6 +183,10 @@ class ServerMetrics:
         runtime = dict(snap.get("spec_runtime") or {})
         for kind, value in (runtime.get("step_counts") or {}).items():
             self._grow(self.step_kinds.labels(kind=kind), f"steps:{kind}", value)
+        for kind, t in (snap.get("step_clock") or {}).items():
+            for counter, field in ((self.clock_steps, "steps"), (self.clock_busy, "busy_ms"),
+                                   (self.clock_idle, "idle_ms")):  # fmt: skip
+                self._grow(counter.labels(kind=kind), f"clock:{field}:{kind}", t[field])
         if not snap.get("spec_enabled"):
             runtime.setdefault("cost_table_status", "disabled")
         self._update_runtime(runtime)

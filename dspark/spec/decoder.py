@@ -95,6 +95,7 @@ class SpecDecoder:
         self._alloc_ms = 0.0
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
+        self.last_kind = "plain"  # ... and the last one's
         self._fixed_by_mode = fixed_costs_by_mode()  # online fixed costs: greedy / sampled
         self.fixed_costs = self._fixed_by_mode[True]  # the mode of the step planned last
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
@@ -166,7 +167,8 @@ class SpecDecoder:
             finally:
                 self.plan_ms += (time.perf_counter() - t0) * 1e3
         verifies = budget != 0 and total > 0
-        self.step_counts[step_kind(self._step_other, verifies, self.draft_enabled)] += 1
+        self.last_kind = step_kind(self._step_other, verifies, self.draft_enabled)
+        self.step_counts[self.last_kind] += 1
         return budget
 
     def _plan(self, host, n: int, total: int) -> int:

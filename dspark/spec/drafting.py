@@ -22,7 +22,8 @@ raw live confidences.
 
 Two kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
-                PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost);
+                PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost),
+                further apart while verdicts for plain decoding stay wide;
   plain probe   (`plain_probes`, on by default) while drafting, a batch size whose plain
                 steps were not measured lately gets _PLAIN_PROBE_STEPS steps without drafting.
                 Without it plain decoding is priced with the speculative steps' fixed term,
@@ -54,6 +55,11 @@ logger = logging.getLogger(__name__)
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter)
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 PROBE_ROWS = 8  # ... for this many rows of the step
+# ... and twice as far apart after each probe whose verdict was plain decoding by twice the
+# guard, up to this many times _PROBE_EVERY (back to 1x on a closer verdict or when the batch
+# size moves by a quarter): a probe is an eager step plus one verifying it (H200, 8B shape,
+# c = 128: 28 ms against 9 ms plain steps, sixth session), and a steady verdict needs few
+_PROBE_BACKOFF_MAX = 8
 # planned steps of a plain probe: the first still verifies the drafts before it, the others
 # are observed (with async scheduling a step left in flight is observed by the next call): ~10,
 # more than the fixed term's MIN_SAMPLES, so one probe gives the median of a run of plain steps
@@ -90,6 +96,8 @@ class DraftingDecision:
         self._numbers: tuple | None = None  # the last decision's rates and terms (for the log)
         self._since_decision, self._decided_reqs = 0, 0
         self._skipped = 0  # consecutive steps that skipped drafting
+        self._probe_spacing = 1  # x _PROBE_EVERY between draft probes (see _PROBE_BACKOFF_MAX)
+        self._after_probe = False  # the next decision is on a probe's drafts
         self._plans = 0
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
@@ -102,8 +110,10 @@ class DraftingDecision:
     def due(self, num_reqs: int) -> bool:
         """Whether this step decides again (call once per planned step)."""
         self._since_decision += 1
-        return (self._since_decision >= _DECIDE_EVERY or self.survival is None
-                or abs(num_reqs - self._decided_reqs) * 4 > num_reqs)  # fmt: skip
+        moved = abs(num_reqs - self._decided_reqs) * 4 > num_reqs
+        if moved:
+            self._probe_spacing = 1
+        return self._since_decision >= _DECIDE_EVERY or self.survival is None or moved
 
     def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
         """Fold the rows with drafts' stale confidences into the sampling mode's survival
@@ -186,6 +196,12 @@ class DraftingDecision:
                         self._log_flip(verdict, *self._numbers)
             self._decided = self._decided or self._numbers is not None
             self._since_decision, self._decided_reqs = 0, num_reqs
+            if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
+                self._after_probe = False
+                wide = (self._numbers is not None and not self.pays
+                        and self._numbers[2] > self._numbers[1] * (1 + 2 * self.min_predicted_gain))
+                self._probe_spacing = (min(2 * self._probe_spacing, _PROBE_BACKOFF_MAX)
+                                       if wide else 1)  # fmt: skip
         if online and self._plain_probe_due(fixed, num_sampling, prefill_tokens):
             self._plain_probe_left = _PLAIN_PROBE_STEPS
         if self._plain_probe_left > 0:
@@ -194,9 +210,9 @@ class DraftingDecision:
                 self._since_decision = _DECIDE_EVERY  # decide again on the measured term
             return False, False
         self._skipped = 0 if self.pays else self._skipped + 1
-        probe = not self.pays and self._skipped % _PROBE_EVERY == 0
+        probe = not self.pays and self._skipped % (_PROBE_EVERY * self._probe_spacing) == 0
         if probe:  # the next step verifies the probe's drafts: it decides on their survival
-            self._since_decision = _DECIDE_EVERY
+            self._since_decision, self._after_probe = _DECIDE_EVERY, True
         return self.pays or probe, not self.pays
 
     def _pays(self, cost, fixed: FixedCosts, num_sampling: int) -> bool:

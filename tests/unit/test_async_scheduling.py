@@ -149,6 +149,7 @@ def test_speculative_engine_schedules_ahead_only_after_plain_steps(
     from dspark.engine.llm_engine import LLMEngine
 
     monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_BACKOFF_MAX", 1)  # (a probe every 4 steps)
     spec = _lagged_spec(drafter, tmp_path, table)
     ref, sync_eng = _run(tiny_qwen, False, 1.0, graphs, speculative_config=spec)
     commits = []  # (scheduled ahead, verified drafts) per committed step

@@ -180,6 +180,31 @@ def test_the_drafting_decisions_state_from_a_servers_metrics():
     assert s["learned_fixed_ms"] == learned and "acceptance_ratio" not in s
 
 
+def test_step_clock_totals_reach_metrics_and_the_per_level_view():
+    """A DSPARK_STEP_CLOCK=1 engine's device busy / idle totals by kind of step are rendered
+    by ServerMetrics and read back per level as ms per step (bench serve's `step_clock`)."""
+    from dspark.bench.spec_stats import CLOCK_METRICS, clock_from_counters
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+    clock = {"plain": {"steps": 40, "busy_ms": 360.0, "idle_ms": 12.0},
+             "mixed": {"steps": 2, "busy_ms": 60.0, "idle_ms": 0.0}}
+    m.update_from_snapshot({"step_clock": clock}, alive=True)
+    text = m.render()[0].decode()
+    assert series_by_label(text, CLOCK_METRICS["idle_ms"], "kind") == {"plain": 12.0,
+                                                                         "mixed": 0.0}
+    before = {f"clock:{f}:{k}": float(v[f]) for k, v in clock.items()
+              for f in ("steps", "busy_ms", "idle_ms")}  # fmt: skip
+    clock["plain"] = {"steps": 50, "busy_ms": 460.0, "idle_ms": 32.0}  # 10 more plain steps
+    m.update_from_snapshot({"step_clock": clock}, alive=True)
+    text = m.render()[0].decode()
+    after = {f"clock:{f}:{kind}": v for f, name in CLOCK_METRICS.items()
+             for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
+    view = clock_from_counters(before, after)
+    assert view == {"plain": {"steps": 10.0, "busy_ms_per_step": 10.0, "idle_ms_per_step": 2.0}}
+    assert clock_from_counters(before, before) is None and clock_from_counters(None, after) is None
+
+
 # ----------------------------------------------------------------------------- datasets
 
 

@@ -44,6 +44,7 @@ def test_probes_while_skipping_draft_for_a_few_rows(tiny_qwen, drafter, monkeypa
     import dspark.spec.drafting as drafting_mod
 
     monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_BACKOFF_MAX", 1)  # (a probe every 4 steps)
     path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.001,
                   fixed_overhead_ms=0.0, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
     prompts = [list(range(5 + i, 12 + i)) for i in range(12)]
@@ -343,3 +344,47 @@ def test_plain_probes_only_where_plain_decoding_could_win():
     d._plans += 600
     assert d._plain_probe_due(fixed, 4, 0)
     assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
+
+
+def test_draft_probes_grow_sparser_while_plain_decoding_wins_widely():
+    """While drafting is skipped, a draft probe every _PROBE_EVERY steps re-measures it. Each
+    probe whose verdict is plain decoding by twice the guard doubles the spacing, up to
+    _PROBE_BACKOFF_MAX times; a batch size moving by a quarter resets it."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting_mod
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import FixedCosts
+
+    # the drafter costs 20 ms against ~1.2 ms plain steps: plain decoding wins by far
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    d.update_survival(np.full((16, 4), 0.5))
+
+    def run(steps, num_reqs=16):
+        probes = []
+        for i in range(steps):
+            drafts, _ = d.after_plan(d.due(num_reqs), cost, fixed, False, num_reqs, num_reqs, 0)
+            if drafts:
+                probes.append(i)
+        return probes
+
+    every = drafting_mod._PROBE_EVERY
+    probes = run(32 * every)
+    assert not d.pays and d._probe_spacing == drafting_mod._PROBE_BACKOFF_MAX
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [every, 2 * every, 4 * every, 8 * every]
+    assert set(gaps[4:]) == {8 * every}  # capped
+    d.due(40)  # the batch size moved by more than a quarter: probes as often as at first
+    assert d._probe_spacing == 1
+    # a verdict for plain decoding by less than twice the guard keeps probes frequent
+    d2 = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    near = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d2.update_survival(np.full((16, 4), 0.5))  # plain 16 tokens/ms, drafting 15.5
+    d, cost = d2, near
+    probes = run(8 * every)
+    assert not d.pays and d._numbers[2] < d._numbers[1] * 1.1  # plain ahead, but not by 10%
+    assert np.diff(probes).tolist() == [every] * (len(probes) - 1) and len(probes) >= 7

@@ -209,6 +209,7 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
     from dspark.spec.cost_model import CostModel
 
     monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
+    monkeypatch.setattr(drafting_mod, "_PROBE_BACKOFF_MAX", 1)  # (a probe every 4 steps)
     kw = dict(weight_read_ms=1.0, ms_per_token=0.001, draft_base_ms=20.0, draft_ms_per_req=0.0)
     spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
             "draft_sample_method": "probabilistic"}  # fmt: skip

@@ -1,0 +1,108 @@
+"""StepClock (DSPARK_STEP_CLOCK=1): device busy and idle time per kind of step from two events
+per step, read only once completed; here with host-clock stand-ins for CUDA events."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark.engine.step_clock import MAX_IDLE_MS, StepClock, plain_step_kind
+
+
+class FakeDevice:
+    """A stream: an event recorded at host time t is reached at max(t, when the work queued
+    before it ends); `work(ms)` queues device work; `now` advances the host's clock."""
+
+    def __init__(self):
+        self.now, self.free_at = 0.0, 0.0
+
+    def work(self, ms):
+        self.free_at = max(self.free_at, self.now) + ms
+
+    def event(self):
+        dev = self
+
+        class Event:
+            at = None
+
+            def record(self):
+                self.at = max(dev.now, dev.free_at)
+
+            def query(self):
+                return self.at is not None and self.at <= dev.now
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        return Event()
+
+
+def step(clock, dev, host_ms, device_ms, kind):
+    dev.now += host_ms  # the host packs and plans
+    before = clock.begin()
+    dev.work(device_ms)
+    clock.end(before, [], SimpleNamespace(last_kind=kind))
+
+
+def test_busy_and_idle_per_kind_are_read_once_complete():
+    dev = FakeDevice()
+    clock = StepClock(event_factory=dev.event)
+    step(clock, dev, 1.0, 5.0, "verify")  # device idle before the first: not counted
+    assert clock.snapshot() == {}  # its events are not reached yet: nothing read
+    dev.now = 6.0  # the step is done; the host took 1 ms more than the device's end
+    step(clock, dev, 1.0, 5.0, "plain")  # enqueued at 7: the device sat idle 1 ms
+    assert clock.snapshot() == {"verify": {"steps": 1, "busy_ms": 5.0, "idle_ms": 0.0}}
+    step(clock, dev, 0.5, 5.0, "plain")  # scheduled ahead at 7.5: queued behind the last
+    dev.now = 100.0
+    clock.collect()
+    snap = clock.snapshot()
+    assert snap["plain"] == {"steps": 2, "busy_ms": 10.0, "idle_ms": 1.0}
+    # an engine that waited for requests: the gap is not a step waiting for the host
+    dev.now += 2 * MAX_IDLE_MS
+    step(clock, dev, 0.0, 5.0, "plain")
+    dev.now += 10.0
+    clock.collect()
+    assert clock.snapshot()["plain"] == {"steps": 3, "busy_ms": 15.0, "idle_ms": 1.0}
+
+
+def test_a_disabled_clock_records_nothing():
+    dev = FakeDevice()
+    clock = StepClock(enabled=False, event_factory=dev.event)
+    assert clock.begin() is None
+    clock.end(None, [], SimpleNamespace(last_kind="plain"))
+    assert clock.snapshot() == {}
+
+
+def test_kind_without_speculation():
+    def row(n, samples=True):
+        return SimpleNamespace(num_new_tokens=n, samples=samples)
+
+    assert plain_step_kind([row(1), row(1)]) == "plain"
+    assert plain_step_kind([row(1), row(64, samples=False)]) == "mixed"
+    assert plain_step_kind([row(1), row(30)]) == "mixed"  # a last prefill chunk samples
+    dev = FakeDevice()
+    clock = StepClock(event_factory=dev.event)
+    before = clock.begin()
+    dev.work(2.0)
+    clock.end(before, [row(1)], spec=None)
+    dev.now = 3.0
+    clock.collect()
+    assert clock.snapshot() == {"plain": {"steps": 1, "busy_ms": 2.0, "idle_ms": 0.0}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_engine_times_its_steps_on_cuda(tiny_qwen, monkeypatch):
+    """DSPARK_STEP_CLOCK=1: the model runner records the events around every step's device
+    work; a no-speculation engine's decode steps are `plain`, its prefill ones `mixed`."""
+    from dspark import LLM, SamplingParams
+
+    monkeypatch.setenv("DSPARK_STEP_CLOCK", "1")
+    llm = LLM(tiny_qwen, device="cuda")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(5, 30))}] * 3, params)
+    clock = llm.engine.runner.step_clock
+    assert clock.enabled
+    clock.collect()
+    snap = clock.snapshot()
+    assert snap["plain"]["steps"] >= 10 and snap["plain"]["busy_ms"] > 0
+    assert snap["mixed"]["steps"] >= 1
