@@ -112,3 +112,40 @@ def test_drafter_greedy_proposals_are_the_same_through_the_kernel(tmp_path, head
     # (ON_CPU also sends the backbone's norms / RoPE / SiLU through their kernels: ulp-level)
     if ref.conf_logits is not None:
         torch.testing.assert_close(fused.conf_logits, ref.conf_logits, rtol=1e-5, atol=1e-6)
+
+
+@cuda_only
+def test_an_engine_drafts_the_same_with_torchs_argmax(tmp_path, monkeypatch):
+    """On CUDA the drafter's greedy slots go through the kernel (inside the whole-step graphs).
+    With it replaced by torch's first-index argmax, an engine drafts the same tokens: the same
+    output (lossless either way) and the same drafts accepted at every position."""
+    import dspark.layers.argmax_triton as kernel
+    from dspark import LLM, SamplingParams
+    from dspark.testing.checkpoints import TinyShape, make_tiny_target
+    from dspark.testing.drafters import make_tiny_drafter
+
+    target = make_tiny_target(str(tmp_path / "t"), TinyShape(num_hidden_layers=2), seed=1)
+    drafter = make_tiny_drafter(str(tmp_path / "d"), target, seed=3)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + i))} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run():
+        llm = LLM(target, device="cuda", num_kv_blocks=1024, max_num_seqs=8,
+                  speculative_config={"model": drafter, "num_speculative_tokens": 4})
+        outs = llm.generate(prompts, params)
+        st = llm.engine.spec_stats
+        got = ([o.outputs[0].token_ids for o in outs], st.num_drafted_tokens,
+               st.num_accepted_tokens, list(st.accepted_per_pos))  # fmt: skip
+        llm.shutdown()
+        return got
+
+    calls, real = [], kernel.biased_argmax
+    monkeypatch.setattr(kernel, "biased_argmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = run()
+    assert calls  # the drafter took the kernel
+
+    def torch_argmax(base, bias, out, block=None):
+        out.copy_(reference(base, bias))
+
+    monkeypatch.setattr(kernel, "biased_argmax", torch_argmax)
+    assert run() == fused
