@@ -79,7 +79,8 @@ def test_qwen3_vocabulary_in_a_cuda_graph():
     assert torch.equal(out[:, 6], reference(base[:, 6], bias))
 
 
-@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "dflash"])
+# (gated / rnn heads differ from vanilla only in the torch code computing the bias)
+@pytest.mark.parametrize("head", ["vanilla", "dflash"])
 @torch.no_grad()
 def test_drafter_greedy_proposals_are_the_same_through_the_kernel(tmp_path, head, monkeypatch):
     from dspark.models.dspark_drafter import DSparkDrafter
