@@ -121,6 +121,10 @@ class HostStep:
         """Draft slots laid out in the stream (every sampling row's capacity)."""
         return self.get("max_num_logits") - self.get("num_samples")
 
+    def prefill_tokens(self) -> int:
+        """Stream tokens beyond one per row and the draft fills: what prefill chunks add."""
+        return self.get("num_tokens") - self.get("num_draft_fills") - self.get("num_reqs")
+
     def forward_tokens(self, budget: int | None) -> int:
         """Tokens the target forward runs on: the packed stream less the draft slots a
         trimmed plan (`budget` drafts verified; None: all) leaves out."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from dspark.spec.tracing import step_kind
+
 ENV = "DSPARK_STEP_CLOCK"
 MAX_IDLE_MS = 100.0
 
@@ -57,13 +59,14 @@ class StepClock:
         before.record()
         return before
 
-    def end(self, before, rows, spec=None) -> None:
-        """Enqueue the after-event of the step begun with `before` (its scheduled rows; the
+    def end(self, before, host, spec=None) -> None:
+        """Enqueue the after-event of the step begun with `before` (its HostStep; the
         speculative decoder that planned it, which knows its kind), then read every step
         whose events have completed."""
         if before is None:
             return
-        kind = spec.last_kind if spec is not None else plain_step_kind(rows)
+        kind = spec.last_kind if spec is not None else step_kind(host.prefill_tokens(), False,
+                                                                 False)  # fmt: skip
         after = self._event()
         after.record()
         self._pending.append((kind, before, after))
@@ -85,8 +88,3 @@ class StepClock:
         return {kind: {"steps": n, "busy_ms": self.busy_ms.get(kind, 0.0),
                        "idle_ms": self.idle_ms.get(kind, 0.0)}
                 for kind, n in self.steps.items()}  # fmt: skip
-
-
-def plain_step_kind(rows) -> str:
-    """A step's kind without speculation: `mixed` if it carries a prefill chunk."""
-    return "mixed" if any(r.num_new_tokens > 1 or not r.samples for r in rows) else "plain"

@@ -147,8 +147,7 @@ class SpecDecoder:
         self._prediction = None  # (set by a decision step that verifies drafts)
         n = host.get("num_reqs")
         total = host.get("num_draft_fills")  # every row's draft capacity, summed
-        # prefill tokens beyond one per row: the stream less the drafts and one per row
-        self._step_reqs, self._step_other = n, host.get("num_tokens") - total - n
+        self._step_reqs, self._step_other = n, host.prefill_tokens()
         if self.cost is not None:
             # price the drafter this step runs (argmax only when every row is greedy: about
             # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size

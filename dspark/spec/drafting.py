@@ -198,8 +198,10 @@ class DraftingDecision:
             self._since_decision, self._decided_reqs = 0, num_reqs
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
                 self._after_probe = False
-                wide = (self._numbers is not None and not self.pays
-                        and self._numbers[2] > self._numbers[1] * (1 + 2 * self.min_predicted_gain))
+                wide = False
+                if self._numbers is not None and not self.pays:
+                    _, spec_rate, plain_rate = self._numbers[:3]
+                    wide = plain_rate > spec_rate * (1 + 2 * self.min_predicted_gain)
                 self._probe_spacing = (min(2 * self._probe_spacing, _PROBE_BACKOFF_MAX)
                                        if wide else 1)  # fmt: skip
         if online and self._plain_probe_due(fixed, num_sampling, prefill_tokens):

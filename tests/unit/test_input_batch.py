@@ -31,5 +31,6 @@ def test_packed_scalars_give_the_sizes_the_planner_reads():
     n = len(rows)
     assert host.get("num_draft_fills") == int(caps.sum()) == 8
     assert host.get("num_tokens") - host.get("num_draft_fills") - n == int(non_draft.sum()) - n
+    assert host.prefill_tokens() == int(non_draft.sum()) - n
     assert int(non_draft.sum()) - n == (1 + 11 + 1 + 1 + 5) - n  # 14 prefill tokens beyond
     assert host.get("num_samples") == int(np.count_nonzero(samples)) == 4

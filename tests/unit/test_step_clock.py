@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.engine.step_clock import MAX_IDLE_MS, StepClock, plain_step_kind
+from dspark.engine.step_clock import MAX_IDLE_MS, StepClock
 
 
 class FakeDevice:
@@ -41,7 +41,7 @@ def step(clock, dev, host_ms, device_ms, kind):
     dev.now += host_ms  # the host packs and plans
     before = clock.begin()
     dev.work(device_ms)
-    clock.end(before, [], SimpleNamespace(last_kind=kind))
+    clock.end(before, None, SimpleNamespace(last_kind=kind))
 
 
 def test_busy_and_idle_per_kind_are_read_once_complete():
@@ -69,25 +69,23 @@ def test_a_disabled_clock_records_nothing():
     dev = FakeDevice()
     clock = StepClock(enabled=False, event_factory=dev.event)
     assert clock.begin() is None
-    clock.end(None, [], SimpleNamespace(last_kind="plain"))
+    clock.end(None, None, SimpleNamespace(last_kind="plain"))
     assert clock.snapshot() == {}
 
 
 def test_kind_without_speculation():
-    def row(n, samples=True):
-        return SimpleNamespace(num_new_tokens=n, samples=samples)
-
-    assert plain_step_kind([row(1), row(1)]) == "plain"
-    assert plain_step_kind([row(1), row(64, samples=False)]) == "mixed"
-    assert plain_step_kind([row(1), row(30)]) == "mixed"  # a last prefill chunk samples
+    """Without a speculative decoder a step is `mixed` when prefill chunks add tokens beyond
+    one per row (HostStep.prefill_tokens), else `plain`."""
     dev = FakeDevice()
     clock = StepClock(event_factory=dev.event)
-    before = clock.begin()
-    dev.work(2.0)
-    clock.end(before, [row(1)], spec=None)
-    dev.now = 3.0
+    for extra in (0, 63, 0):
+        before = clock.begin()
+        dev.work(2.0)
+        clock.end(before, SimpleNamespace(prefill_tokens=lambda extra=extra: extra), spec=None)
+    dev.now = 10.0
     clock.collect()
-    assert clock.snapshot() == {"plain": {"steps": 1, "busy_ms": 2.0, "idle_ms": 0.0}}
+    assert clock.snapshot() == {"plain": {"steps": 2, "busy_ms": 4.0, "idle_ms": 0.0},
+                                "mixed": {"steps": 1, "busy_ms": 2.0, "idle_ms": 0.0}}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
