@@ -1,42 +1,36 @@
-"""AsyncLLMEngine: the LLMEngine in its own thread, asyncio streams in front of it.
+"""AsyncLLMEngine: the server's front end to an EngineCore (engine_core.py), which runs the
+LLMEngine in a thread of this process or, for serving, in a process of its own
+(engine_process.py, `dspark serve`'s default).
 
-    HTTP (event loop)                     engine thread
-    add_request() --inbox--> [ between steps: apply adds / aborts ] -> step() -> dispatch
-    RequestStream  <--loop.call_soon_threadsafe(batch of outputs)--------------'
+    HTTP (event loop)                         EngineCore (thread or process)
+    add_request() --submit(command)--------> [ between steps: apply adds / aborts ] -> step()
+    RequestStream <--call_soon_threadsafe-- on_events(events) <------------------------'
 
-(step() hands each batch of outputs to dispatch as soon as it is built: a step's outputs are
-built and delivered while the next step runs on the device.)
+In a process of its own, the engine's scheduling, commit and output building no longer share
+one interpreter lock with the HTTP streaming of every request's chunks: at high concurrency
+that streaming takes as long as a step's device work on a slow host, and a speculative step
+(which waits for the previous one) left the device idle for it.
 
-The engine thread alone touches the LLMEngine. The event loop only puts commands into the
-inbox and reads per-request asyncio queues, so a slow client never delays a step and a long
-step never delays HTTP. If step() raises, the engine is marked dead: every in-flight stream
-gets EngineDeadError at once and every new request is refused.
+The event loop only submits commands and reads per-request asyncio queues, so a slow client
+never delays a step and a long step never delays HTTP. If the engine fails, every in-flight
+stream gets EngineDeadError at once and every new request is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 
+from dspark.engine.engine_core import EngineCore, EngineDeadError, EngineStoppedError
 from dspark.engine.llm_engine import LLMEngine
 from dspark.outputs import RequestOutput
 from dspark.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStoppedError", "RequestStream"]
+
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_INTERVAL_S = 0.1
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can be served any more."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine is shutting down and accepts no new requests."""
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None = None) -> None:
@@ -100,43 +94,87 @@ class RequestStream:
         return await self.get()
 
 
-class AsyncLLMEngine:
+class ThreadCore:
+    """An EngineCore in a thread of this process (tests, the offline benchmarks' servers with
+    --no-engine-process); `engine` is the LLMEngine itself, for inspection."""
+
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        engine.on_outputs = self._dispatch  # called in the engine thread, inside step()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
-        self._pending_adds = 0
-        self._pending_lock = threading.Lock()
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.config.model
+        self.core: EngineCore | None = None
         self._thread: threading.Thread | None = None
-        self._dead: BaseException | None = None
+
+    def start(self, on_events) -> None:
+        self.core = EngineCore(self.engine, on_events)
+        on_events([("snapshot", self.core.snapshot())])  # /metrics has counters at once
+        self._thread = threading.Thread(target=self.core.run, name="dspark-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, cmd: tuple) -> None:
+        if self.core is not None:  # (before start: nothing to drain or stop)
+            self.core.submit(cmd)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def num_waiting(self) -> int:  # (live: read across threads, approximate)
+        return len(self.engine.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def close(self) -> None:
+        self.engine.runner.shutdown()  # tensor-parallel workers, if any
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine | None = None, core=None):
+        """Serve `engine` from a thread of this process, or through `core` (ProcessCore)."""
+        self.core = core if core is not None else ThreadCore(engine)
+        self.engine = engine  # the LLMEngine when it runs in this process, else None
+        self._streams: dict[str, RequestStream] = {}  # in flight (accepted or not)
+        self._pending_adds = 0  # submitted, not yet accepted or rejected
+        self._lock = threading.Lock()
+        self._started = self._draining = self._stop = False
         self._accepting = True
-        self._stop = False
-        self._drain_deadline: float | None = None
+        self._dead: EngineDeadError | None = None
         self._snapshot: dict = {}
-        self._last_snapshot = 0.0
-        self._last_steps = -1
 
     @classmethod
-    def from_config(cls, config) -> AsyncLLMEngine:
+    def from_config(cls, config, engine_process: bool = False) -> AsyncLLMEngine:
+        """The engine for `config`; with engine_process, loaded and run in a child process
+        (raises RuntimeError with the child's message if it cannot load)."""
+        if engine_process:
+            from dspark.engine.engine_process import ProcessCore
+
+            return cls(core=ProcessCore(config))
         return cls(LLMEngine(config))
 
     # -- read-only views (any thread) ---------------------------------------------------------
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.core.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.core.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return self.core.model_path
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread is not None and self._thread.is_alive()
+        return self._dead is None and self.core.is_alive()
 
     @property
-    def dead_error(self) -> BaseException | None:
+    def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
     @property
@@ -144,53 +182,57 @@ class AsyncLLMEngine:
         return self._accepting and self._dead is None
 
     def num_waiting(self) -> int:
-        """Requests queued in the inbox or the scheduler's waiting queue (approximate)."""
-        return self._pending_adds + len(self.engine.scheduler.waiting)
+        """Requests submitted and not yet accepted, or waiting in the scheduler (approximate)."""
+        return self._pending_adds + self.core.num_waiting()
 
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.core.num_running()
 
     def snapshot(self) -> dict:
-        """Cumulative engine counters and gauges, refreshed by the engine thread at most every
+        """Cumulative engine counters and gauges, refreshed by the engine at most every
         SNAPSHOT_INTERVAL_S while busy and whenever it goes idle."""
-        return self._snapshot
+        snap = self._snapshot
+        if not snap:
+            return snap
+        return {**snap, "num_waiting": snap.get("num_waiting", 0) + self._pending_adds}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._take_snapshot()
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self._thread.start()
+        if not self._started:
+            self._started = True
+            self.core.start(self._on_events)
 
     def begin_drain(self, timeout_s: float) -> None:
         """Stop accepting requests; abort those still running after timeout_s (thread-safe)."""
-        self._accepting = False
-        self._drain_deadline = time.monotonic() + max(0.0, timeout_s)
-        self._wake.set()
+        self._accepting, self._draining = False, True
+        self.core.submit(("drain", timeout_s))
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """Stop accepting, let in-flight requests finish for up to timeout_s, abort the rest
-        (their streams end with finish_reason 'abort'), then stop the engine thread."""
-        if self._drain_deadline is None:
+        (their streams end with finish_reason 'abort'), then stop the engine."""
+        if not self._draining:
             self.begin_drain(timeout_s)
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        self._request_stop()
+        await asyncio.to_thread(self.core.join)
 
     def stop(self) -> None:
-        """Synchronous shutdown: abort everything now and join the engine thread."""
+        """Synchronous shutdown: abort everything now and wait for the engine to stop."""
         self.begin_drain(0.0)
+        self._request_stop()
+        self.core.join()
+
+    def close(self) -> None:
+        """Release what the engine holds (after shutdown)."""
+        self.core.close()
+
+    def _request_stop(self) -> None:
         self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.core.submit(("stop",))
 
     # -- requests (event loop) ----------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self._dead!r}")
+            raise self._dead
         if not self._accepting or self._stop:
             raise EngineStoppedError("the server is shutting down")
 
@@ -205,15 +247,16 @@ class AsyncLLMEngine:
         """Queue a request and wait until the engine has accepted it (between two steps).
         Raises ValueError for invalid input, EngineDeadError / EngineStoppedError."""
         self._check_alive()
-        if self._thread is None:
-            self.start()
+        self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        with self._pending_lock:
+        with self._lock:
             self._pending_adds += 1
-        self._inbox.put(("add", stream, prompt, params, cache_salt, arrival_time))
-        self._wake.set()
+            self._streams[request_id] = stream
+        self.core.submit(("add", request_id, prompt, params, cache_salt, arrival_time))
         if self._dead is not None:  # died before it could see our command
-            raise EngineDeadError(f"the engine is dead: {self._dead!r}")
+            raise self._dead
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -240,153 +283,49 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, idempotent); its KV blocks are freed between steps."""
-        if self._thread is None or self._dead is not None:
+        if not self._started or self._dead is not None:
             return
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
-
-    # -- the engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            while True:
-                self._apply_inbox()
-                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
-                    self._abort_all()
-                if self._stop and not eng.has_unfinished_requests():
-                    break
-                if not eng.has_unfinished_requests():
-                    self._maybe_snapshot(idle=True)
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                outputs = eng.step()
-                self._dispatch(outputs)
-                self._maybe_snapshot()
-                if eng.idle and not outputs:
-                    eng.mark_idle()
-                    self._wake.wait(0.005)  # nothing schedulable: do not spin
-                    self._wake.clear()
-            self._take_snapshot()
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine
-            self._die(e)
-
-    def _apply_inbox(self) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                self._apply_add(*cmd[1:])
-            else:
-                self._apply_abort(cmd[1])
-
-    def _apply_add(self, stream: RequestStream, prompt, params, cache_salt, arrival) -> None:
-        with self._pending_lock:
-            self._pending_adds -= 1
-        loop, rid = stream.loop, stream.request_id
-        if not self._accepting or self._stop:
-            _call_soon(loop, _fail_accept, stream, EngineStoppedError("shutting down"))
-            return
-        try:
-            self.engine.add_request(rid, prompt, params, cache_salt, arrival)
-        except ValueError as e:
-            _call_soon(loop, _fail_accept, stream, ValueError(str(e)))
-            return
-        except BaseException as e:
-            _call_soon(loop, _fail_accept, stream, EngineDeadError(repr(e)))
-            raise
-        self._streams[rid] = stream
-        _call_soon(loop, _resolve, stream.accepted)
-
-    def _apply_abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self.engine.abort_request(request_id)
+        self.core.submit(("abort", request_id))
 
-    def _abort_all(self) -> None:
-        """Abort every request; streams still being read get a final 'abort' output."""
-        eng = self.engine
-        batch = []
-        for rid in list(eng.requests):
-            req = eng.requests[rid]
-            eng.abort_request(rid)
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                batch.append((stream, eng.abort_output(req)))
-        self._send(batch)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        batch = []
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            batch.append((stream, out))
-        self._send(batch)
-
-    def _send(self, batch: list) -> None:
+    # -- events from the engine (its thread, or the reader thread of its process) -------------
+    def _on_events(self, events: list[tuple]) -> None:
         by_loop: dict = {}
-        for stream, item in batch:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for event in events:
+            kind = event[0]
+            if kind == "outputs":
+                for out in event[1]:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:  # aborted
+                        continue
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+            elif kind in ("accepted", "rejected"):
+                with self._lock:
+                    self._pending_adds -= 1
+                rid = event[1]
+                if kind == "accepted":
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        _call_soon(stream.loop, _resolve, stream.accepted)
+                else:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        _call_soon(stream.loop, _fail_accept, stream, event[2])
+            elif kind == "snapshot":
+                self._snapshot = event[1]
+            elif kind == "dead":
+                self._die(event[1])
         for loop, items in by_loop.items():
             _call_soon(loop, _deliver, items)
 
-    def _die(self, exc: BaseException) -> None:
-        self._dead = exc
-        logger.error("engine thread failed; the engine is dead", exc_info=exc)
-        err = EngineDeadError(f"the engine is dead: {exc!r}")
-        batch = [(s, err) for s in self._streams.values()]
-        self._streams.clear()
-        while True:  # requests that were never added
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                with self._pending_lock:
-                    self._pending_adds -= 1
-                _call_soon(cmd[1].loop, _fail_accept, cmd[1], err)
-        self._send(batch)
-
-    # -- metrics snapshot ---------------------------------------------------------------------
-    def _maybe_snapshot(self, idle: bool = False) -> None:
-        age = time.monotonic() - self._last_snapshot
-        if age >= (1.0 if idle else SNAPSHOT_INTERVAL_S) or (
-            idle and self.engine.stats["steps"] != self._last_steps
-        ):
-            self._take_snapshot()
-
-    def _take_snapshot(self) -> None:
-        eng = self.engine
-        bm, sched, spec = eng.block_manager, eng.scheduler, eng.spec_stats
-        runtime = {}
-        spec_runner = getattr(eng.runner, "spec", None)
-        if spec_runner is not None and hasattr(spec_runner, "metrics"):
-            try:
-                runtime = dict(spec_runner.metrics() or {})
-            except Exception:  # noqa: BLE001 - metrics must never break the engine
-                logger.debug("spec metrics() failed", exc_info=True)
-        self._last_snapshot = time.monotonic()
-        self._last_steps = eng.stats["steps"]
-        self._snapshot = {
-            **eng.stats,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting) + self._pending_adds,
-            "kv_usage": bm.usage,
-            "prefix_queries": bm.num_prefix_queries,
-            "prefix_hits": bm.num_prefix_hits,
-            "spec_enabled": spec_runner is not None,
-            "spec_num_steps": spec.num_steps,
-            "spec_drafted": spec.num_drafted_tokens,
-            "spec_verified": spec.num_verified_tokens,
-            "spec_accepted": spec.num_accepted_tokens,
-            "spec_accepted_per_pos": list(spec.accepted_per_pos),
-            "spec_verified_per_pos": list(spec.verified_per_pos),
-            "spec_runtime": runtime,
-        }
-        clock = getattr(eng.runner, "step_clock", None)
-        if clock is not None and clock.enabled:  # DSPARK_STEP_CLOCK=1: device busy / idle
-            self._snapshot["step_clock"] = clock.snapshot()
+    def _die(self, message: str) -> None:
+        err = EngineDeadError(f"the engine is dead: {message}")
+        self._dead = err
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._pending_adds = 0
+        for stream in streams:  # (accepted or not: _fail_accept resolves what is pending)
+            _call_soon(stream.loop, _fail_accept, stream, err)

@@ -114,7 +114,7 @@ class _Server:
 
     def _unavailable(self) -> APIError:
         if self.engine.dead_error is not None:
-            return APIError(500, f"the engine is dead: {self.engine.dead_error!r}",
+            return APIError(500, str(self.engine.dead_error),
                             code="engine_dead")  # fmt: skip
         return APIError(503, "the server is shutting down", code="shutting_down",
                         headers={"Retry-After": "5"})  # fmt: skip
@@ -353,7 +353,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @v1.get("/models")
     async def models():
-        card = P.ModelCard(id=served_model_name, root=engine.engine.config.model,
+        card = P.ModelCard(id=served_model_name, root=engine.model_path,
                            max_model_len=engine.max_model_len)  # fmt: skip
         return JSONResponse(P.ModelList(data=[card]).model_dump())
 

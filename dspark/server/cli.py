@@ -51,6 +51,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
     a("--no-async-scheduling", dest="async_scheduling", action="store_false",
       help="schedule each step after the previous one finished (no speculation only)")
+    a("--no-engine-process", dest="engine_process", action="store_false",
+      help="run the engine in a thread of the server's process (default: a process of its "
+           "own, so HTTP streaming and the engine's host work do not share one GIL)")
     a("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
       help="shard the model over N GPUs (N processes started by the server)")
     a("--load-format", default="auto", choices=["auto", "dummy"],
@@ -151,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from dspark.server.api import build_app
 
     try:
-        engine = AsyncLLMEngine.from_config(config)
+        engine = AsyncLLMEngine.from_config(config, engine_process=args.engine_process)
     except Exception as e:  # noqa: BLE001 - report any loading failure plainly
         print(f"dspark serve: error: cannot load the engine: {e}", file=sys.stderr)
         return 1
@@ -167,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.info("serving %r (max_model_len=%d) on http://%s:%d", name, engine.max_model_len,
                 args.host, args.port)  # fmt: skip
     server.run()
-    engine.engine.runner.shutdown()  # tensor-parallel workers, if any
+    engine.close()  # the engine process, or tensor-parallel workers
     return 0 if engine.dead_error is None else 1
 
 

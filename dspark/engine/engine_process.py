@@ -1,0 +1,160 @@
+"""The engine in a process of its own: ProcessCore (the server's side) and the child's main.
+
+The child loads the LLMEngine (it alone touches the GPU) and runs EngineCore; two one-way
+pipes carry the core's commands in and its event batches out (engine_core.py), pickled. The
+server's process keeps the tokenizer (chat templates, prompt checks) and HTTP. A reader thread
+there hands each event batch to the front end. The child ends after a "stop" command has
+drained its requests, also when the server's process is gone (its command pipe closes); if
+the child dies, the front end hears a "dead" event.
+
+Handshake: the child sends [("ready", info)] once loaded, or [("failed", message)]; its last
+batch is [("exited",)].
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - mp.util.Finalize
+import signal
+import threading
+
+from dspark.engine.llm_engine import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def core_process_main(config, cmd_conn, evt_conn, log_level: int) -> None:
+    """The child: load, announce, serve until stopped (or orphaned)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the server process's call
+    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    from dspark.engine.engine_core import EngineCore
+    from dspark.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except Exception as e:  # noqa: BLE001 - report any loading failure plainly
+        logger.debug("cannot load the engine", exc_info=True)
+        evt_conn.send([("failed", f"{type(e).__name__}: {e}")])
+        return
+    core = EngineCore(engine, evt_conn.send)
+    evt_conn.send([("ready", {"max_model_len": engine.max_model_len})])
+
+    def read_commands() -> None:
+        try:
+            while True:
+                core.submit(cmd_conn.recv())
+        except (EOFError, OSError):  # the server's process is gone: abort everything, end
+            core.submit(("drain", 0.0))
+            core.submit(("stop",))
+
+    threading.Thread(target=read_commands, name="dspark-commands", daemon=True).start()
+    try:
+        core.run()
+    finally:
+        engine.runner.shutdown()  # tensor-parallel workers, if any
+        try:
+            evt_conn.send([("exited",)])
+        except OSError:
+            pass
+
+
+class ProcessCore:
+    """The server's handle on an engine process (the same interface as ThreadCore)."""
+
+    engine = None  # the LLMEngine lives in the child
+
+    def __init__(self, config, log_level: int | None = None):
+        ctx = mp.get_context("spawn")  # (never fork a process that may hold CUDA state)
+        cmd_r, self._cmd = ctx.Pipe(duplex=False)
+        self._evt, evt_w = ctx.Pipe(duplex=False)
+        level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+        # not a daemon: a tensor-parallel engine starts worker processes of its own
+        self.proc = ctx.Process(target=core_process_main, args=(config, cmd_r, evt_w, level),
+                                name="dspark-engine-core")  # fmt: skip
+        self.proc.start()
+        cmd_r.close()
+        evt_w.close()
+        # at interpreter exit, before multiprocessing joins its children: close the command
+        # pipe, so that a child not stopped yet drains and exits instead of waiting forever
+        mp.util.Finalize(self, self._cmd.close, exitpriority=10)
+        info = self._wait_ready()
+        self.max_model_len = info["max_model_len"]
+        self.model_path = config.model
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._exited = False
+        self._counts = (0, 0)  # (waiting, running) of the latest snapshot
+
+    def _wait_ready(self) -> dict:
+        while True:
+            if self._evt.poll(0.5):
+                try:
+                    (kind, *rest), = self._evt.recv()
+                except EOFError:
+                    kind, rest = "exited", []
+                if kind == "ready":
+                    return rest[0]
+                self.proc.join(10)
+                if kind == "failed":
+                    raise RuntimeError(rest[0])
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited while loading (exit code "
+                                   f"{self.proc.exitcode})")  # fmt: skip
+
+    def start(self, on_events) -> None:
+        self._reader = threading.Thread(target=self._read, args=(on_events,),
+                                        name="dspark-engine-events", daemon=True)  # fmt: skip
+        self._reader.start()
+
+    def _read(self, on_events) -> None:
+        while True:
+            try:
+                events = self._evt.recv()
+            except (EOFError, OSError):
+                break
+            if events[-1][0] == "exited":
+                self._exited = True
+                events = events[:-1]
+            for event in events:
+                if event[0] == "snapshot":
+                    self._counts = (event[1]["num_waiting"], event[1]["num_running"])
+            if events:
+                on_events(events)
+            if self._exited:
+                return
+        self.proc.join(5)  # the pipe closed without "exited": the child died
+        on_events([("dead", f"the engine process exited unexpectedly (exit code "
+                            f"{self.proc.exitcode})")])  # fmt: skip
+
+    def submit(self, cmd: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._cmd.send(cmd)
+        except (OSError, ValueError):  # the child is gone: the reader reports it
+            logger.debug("engine process gone; command %r dropped", cmd[0])
+
+    def is_alive(self) -> bool:
+        return not self._exited and self.proc.is_alive()
+
+    def join(self) -> None:
+        if self._reader is not None:
+            self._reader.join()
+        self.proc.join()
+
+    def num_waiting(self) -> int:  # (of the latest snapshot: at most ~0.1 s old while busy)
+        return self._counts[0]
+
+    def num_running(self) -> int:
+        return self._counts[1]
+
+    def close(self) -> None:
+        self.proc.join(30)
+        if self.proc.is_alive():
+            logger.warning("the engine process did not exit: terminating it")
+            self.proc.terminate()
+            self.proc.join(10)
+        self._cmd.close()
