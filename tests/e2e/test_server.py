@@ -69,11 +69,12 @@ class ServerHandle:
 
 @contextlib.contextmanager
 def run_server(model_path: str, api_key: str | None = API_KEY, max_waiting: int = 1024,
-               max_body_bytes: int = 64 * 1024, **engine_kw):  # fmt: skip
+               max_body_bytes: int = 64 * 1024, engine_process: bool = False,
+               **engine_kw):  # fmt: skip
     kw = dict(model=model_path, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=160,
               max_num_seqs=64, seed=0)  # fmt: skip
     kw.update(engine_kw)
-    engine = AsyncLLMEngine.from_config(EngineConfig(**kw))
+    engine = AsyncLLMEngine.from_config(EngineConfig(**kw), engine_process=engine_process)
     app = build_app(engine, MODEL, api_key, max_body_bytes, max_waiting)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -92,6 +93,7 @@ def run_server(model_path: str, api_key: str | None = API_KEY, max_waiting: int 
         thread.join(15)
         sock.close()
         assert not thread.is_alive(), "server did not shut down"
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,138 @@
+"""The server with its engine in a process of its own (`dspark serve`'s default): the same
+tokens as the offline engine, streams, disconnects and bad input through the process pipe,
+a load failure reported plainly, and an engine process that dies or is orphaned."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+
+import httpx
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.config import EngineConfig
+from dspark.engine.async_engine import AsyncLLMEngine
+from dspark.engine.engine_process import ProcessCore
+from tests.e2e.test_server import MAX_MODEL_LEN, MODEL, _greedy, run_server
+
+
+def _gauges(server) -> tuple[float, float, float]:
+    m = server.metrics()
+    return (m[("dspark_num_requests_running", ())], m[("dspark_num_requests_waiting", ())],
+            m[("dspark_kv_cache_usage_ratio", ())])  # fmt: skip
+
+
+def _wait_drained(server, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _gauges(server) != (0, 0, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gauges(server) == (0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen):
+    with run_server(tiny_qwen, engine_process=True) as handle:
+        assert handle.engine.engine is None  # (the LLMEngine lives in the child)
+        yield handle
+
+
+def test_greedy_tokens_match_the_offline_engine(server, tiny_qwen):
+    prompts = ["def add(a, b):", "for i in range(10):"]
+    llm = LLM(tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=160, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    got = [_greedy(server, p, max_tokens=16) for p in prompts]
+    assert [g[0] for g in got] == want
+    assert all(g[1] == 16 and g[2] == "length" for g in got)
+
+
+def test_streams_disconnects_and_bad_input(server):
+    """32 concurrent streams, 8 of which disconnect; a bad request in the middle is a 400
+    naming its field. The others get every token; afterwards nothing is held."""
+
+    async def one(client, i: int):
+        drop = i % 4 == 0
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"def f{i}(x):", max_tokens=120 if drop else 8,
+            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            if drop and len(chunks) >= 2:
+                await stream.close()
+                return None
+        return chunks
+
+    async def main():
+        async with server.async_client() as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(32)]
+            await asyncio.sleep(0.05)
+            bad = await asyncio.to_thread(
+                server.post, "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                 "max_tokens": 10 * MAX_MODEL_LEN})  # fmt: skip
+            return bad, await asyncio.gather(*tasks)
+
+    bad, results = asyncio.run(main())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+    assert sum(r is None for r in results) == 8
+    for chunks in results:
+        if chunks is not None:
+            assert chunks[-1].usage.completion_tokens == 8
+    _wait_drained(server)
+    m = server.metrics()
+    assert m[("dspark_engine_alive", ())] == 1
+    assert _greedy(server, "def add(a, b):", max_tokens=4)[1] == 4
+
+
+def test_a_model_that_cannot_load_is_a_plain_error(tiny_qwen, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(os.path.join(tiny_qwen, "config.json"), broken / "config.json")  # no weights
+    with pytest.raises(RuntimeError, match="no .safetensors weights found"):
+        AsyncLLMEngine.from_config(EngineConfig(model=str(broken), device="cpu"),
+                                   engine_process=True)  # fmt: skip
+
+
+def test_an_engine_process_that_dies_fails_its_streams_and_health(tiny_qwen):
+    with run_server(tiny_qwen, engine_process=True) as srv:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers,
+                          timeout=30) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        os.kill(srv.engine.core.proc.pid, signal.SIGKILL)
+        assert "exited unexpectedly" in events[-1] or "exited unexpectedly" in events[-2]
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 500 and "exited unexpectedly" in health.text
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "dead" in r.json()["error"]["message"]
+        assert srv.metrics()[("dspark_engine_alive", ())] == 0
+
+
+def test_an_orphaned_engine_process_exits(tiny_qwen):
+    """The server's process gone (its command pipe closed): the child aborts its requests
+    and exits instead of serving nobody forever."""
+    core = ProcessCore(EngineConfig(model=tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN))
+    events = []
+    core.start(events.extend)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    core.submit(("add", "r0", "hello", params, None, None))
+    deadline = time.monotonic() + 20
+    while not any(e[0] == "outputs" for e in events) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    core._cmd.close()
+    core.proc.join(20)
+    assert core.proc.exitcode == 0
+    finals = [o for e in events if e[0] == "outputs" for o in e[1] if o.finished]
+    assert [o.outputs[0].finish_reason for o in finals] == ["abort"]
