@@ -8,6 +8,7 @@ serves both transports:
                 ("drain", timeout_s)  ("stop",)
   events out:   ("accepted", rid)  ("rejected", rid, exception)  ("outputs", [RequestOutput])
                 ("snapshot", counters)  ("dead", message)
+                (across a process: ("deltas", [tuple]) instead of "outputs", output_delta.py)
 
 Commands are applied between steps. Events go out in order, in batches (`emit(list)`): a
 step's outputs as soon as they are built (while the next step runs on the device). Every add
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.output_delta import DeltaEncoder
 from dspark.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,11 @@ class EngineStoppedError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, emit: Callable[[list[tuple]], None]):
+    def __init__(self, engine: LLMEngine, emit: Callable[[list[tuple]], None],
+                 deltas: bool = False):  # fmt: skip
         self.engine = engine
         self.emit = emit
+        self.encoder = DeltaEncoder() if deltas else None  # outputs as deltas (a pipe)
         engine.on_outputs = self._outputs  # called inside step(), as soon as they are built
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -98,6 +102,8 @@ class EngineCore:
                 events.append(self._add(*cmd[1:]))
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
+                if self.encoder is not None:
+                    self.encoder.forget(cmd[1])
             elif kind == "drain":
                 self._accepting = False
                 self._drain_deadline = time.monotonic() + max(0.0, cmd[1])
@@ -126,8 +132,12 @@ class EngineCore:
         self._outputs(outs)
 
     def _outputs(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
+        if not outputs:
+            return
+        if self.encoder is None:
             self.emit([("outputs", outputs)])
+        else:
+            self.emit([("deltas", [self.encoder.encode(out) for out in outputs])])
 
     # -- counters for /metrics ----------------------------------------------------------------
     def _maybe_snapshot(self, idle: bool = False) -> None:

@@ -20,6 +20,7 @@ import signal
 import threading
 
 from dspark.engine.llm_engine import load_tokenizer
+from dspark.engine.output_delta import DeltaDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def core_process_main(config, cmd_conn, evt_conn, log_level: int) -> None:
         logger.debug("cannot load the engine", exc_info=True)
         evt_conn.send([("failed", f"{type(e).__name__}: {e}")])
         return
-    core = EngineCore(engine, evt_conn.send)
+    core = EngineCore(engine, evt_conn.send, deltas=True)
     evt_conn.send([("ready", {"max_model_len": engine.max_model_len})])
 
     def read_commands() -> None:
@@ -88,6 +89,7 @@ class ProcessCore:
         self._reader: threading.Thread | None = None
         self._exited = False
         self._counts = (0, 0)  # (waiting, running) of the latest snapshot
+        self._decoder = DeltaDecoder()
 
     def _wait_ready(self) -> dict:
         while True:
@@ -119,9 +121,12 @@ class ProcessCore:
             if events[-1][0] == "exited":
                 self._exited = True
                 events = events[:-1]
-            for event in events:
+            for i, event in enumerate(events):
                 if event[0] == "snapshot":
                     self._counts = (event[1]["num_waiting"], event[1]["num_running"])
+                elif event[0] == "deltas":
+                    outs = (self._decoder.decode(d) for d in event[1])
+                    events[i] = ("outputs", [out for out in outs if out is not None])
             if events:
                 on_events(events)
             if self._exited:
@@ -131,6 +136,8 @@ class ProcessCore:
                             f"{self.proc.exitcode})")])  # fmt: skip
 
     def submit(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            self._decoder.forget(cmd[1])
         try:
             with self._send_lock:
                 self._cmd.send(cmd)
