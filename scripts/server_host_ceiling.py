@@ -15,6 +15,7 @@ the drafts' confidences) is not representative; `none` and `fixed` are.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -35,22 +36,38 @@ from host_step_cost import DEMO, demo_spec, stub_device_work  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
+def stub_engine(engine, device_ms: float, tokenless: bool) -> None:
+    """The serving engine's setup: streaming outputs, decode steps' device work stubbed (run
+    where the engine runs: this process, or the engine process)."""
+    stub_device_work(engine.runner, prefill=True, device_ms=device_ms)
+    engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
+    if tokenless:  # as with --load-format dummy: chunks carry token ids, no text
+        engine.tokenizer = None
+
+
 def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float,
-                 async_scheduling: bool = True, loop: str = "asyncio", http: str = "h11"):
+                 async_scheduling: bool = True, loop: str = "asyncio", http: str = "h11",
+                 engine_process: bool = False):  # fmt: skip
     import uvicorn
 
-    from dspark import LLM
+    from dspark.config import EngineConfig
     from dspark.engine.async_engine import AsyncLLMEngine
+    from dspark.engine.engine_process import ProcessCore
+    from dspark.engine.llm_engine import LLMEngine
     from dspark.server.api import build_app
 
-    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs,
-              speculative_config=demo_spec(policy, always_draft=False),
-              max_num_batched_tokens=16384, async_scheduling=async_scheduling)  # fmt: skip
-    stub_device_work(llm.engine.runner, prefill=True, device_ms=device_ms)
-    llm.engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
-    if tokenless:  # as with --load-format dummy: chunks carry token ids, no text
-        llm.engine.tokenizer = None
-    engine = AsyncLLMEngine(llm.engine)
+    config = EngineConfig(model=f"{DEMO}/target", device="cpu", max_num_seqs=max_num_seqs,
+                          speculative_config=demo_spec(policy, always_draft=False),
+                          max_num_batched_tokens=16384, async_scheduling=async_scheduling)
+    setup = functools.partial(stub_engine, device_ms=device_ms, tokenless=tokenless)
+    if engine_process:
+        engine = AsyncLLMEngine(core=ProcessCore(config, setup=setup))
+        if tokenless:
+            engine.core.tokenizer = None
+    else:
+        llm_engine = LLMEngine(config)
+        setup(llm_engine)
+        engine = AsyncLLMEngine(llm_engine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -89,15 +106,19 @@ def main() -> int:
     ap.add_argument("--http", default="h11", help="uvicorn HTTP implementation: h11 | httptools")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="no-spec engine schedules each step after the previous one")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the engine in a process of its own, as `dspark serve` runs it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     conc = [int(c) for c in args.concurrency.split(",")]
     server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms,
-                                       args.async_scheduling, args.loop, args.http)  # fmt: skip
+                                       args.async_scheduling, args.loop, args.http,
+                                       args.engine_process)  # fmt: skip
     try:
-        waits = server.config.app.state.engine.engine.runner.step_graphs.wait_overshoot_ms
+        engine = server.config.app.state.engine.engine  # (None in the engine process)
+        waits = [] if engine is None else engine.runner.step_graphs.wait_overshoot_ms
         for c in conc:
             waits.clear()
             res = bench(url, c, args.tokens, os.path.join(tempfile.mkdtemp(), "r.json"))
@@ -106,6 +127,7 @@ def main() -> int:
             late = (f", device-wait overshoot p50 {np.median(waits):.2f} / p90 "
                     f"{np.percentile(waits, 90):.2f} ms") if waits else ""
             print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}"
+                  f"{' engine-process' if args.engine_process else ''}"
                   f"{'' if args.loop == 'asyncio' else ' ' + args.loop}"
                   f"{'' if args.http == 'h11' else ' ' + args.http}, "
                   f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def core_process_main(config, cmd_conn, evt_conn, log_level: int) -> None:
+def core_process_main(config, cmd_conn, evt_conn, log_level: int, setup=None) -> None:
     """The child: load, announce, serve until stopped (or orphaned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the server process's call
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
@@ -36,6 +36,8 @@ def core_process_main(config, cmd_conn, evt_conn, log_level: int) -> None:
 
     try:
         engine = LLMEngine(config)
+        if setup is not None:
+            setup(engine)
     except Exception as e:  # noqa: BLE001 - report any loading failure plainly
         logger.debug("cannot load the engine", exc_info=True)
         evt_conn.send([("failed", f"{type(e).__name__}: {e}")])
@@ -67,14 +69,17 @@ class ProcessCore:
 
     engine = None  # the LLMEngine lives in the child
 
-    def __init__(self, config, log_level: int | None = None):
+    def __init__(self, config, log_level: int | None = None, setup=None):
+        """Start the engine process for `config` and wait until it has loaded. `setup`: a
+        picklable callable the child applies to its LLMEngine before serving (benchmarks:
+        scripts/server_host_ceiling.py stubs the device work with it)."""
         ctx = mp.get_context("spawn")  # (never fork a process that may hold CUDA state)
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._evt, evt_w = ctx.Pipe(duplex=False)
         level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
         # not a daemon: a tensor-parallel engine starts worker processes of its own
-        self.proc = ctx.Process(target=core_process_main, args=(config, cmd_r, evt_w, level),
-                                name="dspark-engine-core")  # fmt: skip
+        self.proc = ctx.Process(target=core_process_main, name="dspark-engine-core",
+                                args=(config, cmd_r, evt_w, level, setup))  # fmt: skip
         self.proc.start()
         cmd_r.close()
         evt_w.close()
