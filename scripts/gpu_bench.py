@@ -99,6 +99,9 @@ def run_generate(engine, concurrency: int, prompt_len: int, out_len: int) -> flo
                             generator=gen).tolist()  # fmt: skip
         engine.add_request(f"c{concurrency}-{i}", {"prompt_token_ids": ids}, params)
     _sync()
+    clock = engine.runner.step_clock
+    clock.collect()
+    start = clock.snapshot().get("plain", {})
     t0 = time.perf_counter()
     produced, decode_steps = 0, []
     sched = engine.scheduler
@@ -116,7 +119,16 @@ def run_generate(engine, concurrency: int, prompt_len: int, out_len: int) -> flo
     assert produced == concurrency * out_len, produced
     decode_steps.sort()
     step_ms = 1e3 * decode_steps[len(decode_steps) // 2] if decode_steps else float("nan")
-    return produced / (time.perf_counter() - t0), step_ms
+    tok_s = produced / (time.perf_counter() - t0)
+    if clock.enabled:  # the decode steps' device time: busy, and idle waiting for the host
+        clock.collect()
+        end = clock.snapshot().get("plain", {})
+        n = end.get("steps", 0) - start.get("steps", 0)
+        if n:
+            busy, idle = ((end[k] - start.get(k, 0.0)) / n for k in ("busy_ms", "idle_ms"))
+            print(f"  decode steps on the device at c={concurrency}: {busy:.2f} ms busy + "
+                  f"{idle:.2f} ms idle per step ({n} steps)", flush=True)  # fmt: skip
+    return tok_s, step_ms
 
 
 def _sync() -> None:
@@ -147,6 +159,9 @@ def hf_generate(model_dir, concurrencies, prompt_len, out_len, device="cuda") ->
 
 
 def main() -> int:
+    # the step clock (two CUDA events per step) splits the decode step into device busy time
+    # and idle time waiting for the host
+    os.environ.setdefault("DSPARK_STEP_CLOCK", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--concurrency", default="1,16,64,256")
