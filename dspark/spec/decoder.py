@@ -25,7 +25,7 @@ from dspark.spec.confidence import apply_sts, confidence_source, features_from_d
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
-from dspark.spec.planner import REUSE_CLEAR_PLANS, Planner, decode_rate
+from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner, decode_rate
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
@@ -129,6 +129,7 @@ class SpecDecoder:
             threshold=self.sc.confidence_threshold,
             snap_to_graphs=self.sc.snap_budget_to_graphs,
             reuse_clear_plans=REUSE_CLEAR_PLANS,
+            reuse_trimmed_plans=REUSE_TRIMMED_PLANS,
         )
 
     @property

@@ -478,3 +478,36 @@ def test_steps_with_prefill_value_drafts_at_the_decoding_rate():
     spec = [4 * (1 + survival[:n].sum()) / step_ms(4 * (1 + n)) for n in (1, 2, 3, 4)]
     assert decode_rate(cost, survival, 4, None) == pytest.approx(max([plain] + spec))
     assert decode_rate(cost, None, 4, 5.0) == pytest.approx(4 / (5.0 + cost.verify_lookup(4)))
+
+
+def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
+    """With reuse_trimmed_plans = 4, a trimmed plan's budget (and decision) is reused,
+    confidences unread, for the next 3 plans of its shape; another shape searches; a step
+    with prefill chunks (an opportunity rate) always searches; a changed cost model (tables
+    invalidated) searches again."""
+    steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_trimmed_plans=4)
+    caps = np.array([3, 3])
+    reads = []
+
+    def stale(conf):
+        def read():
+            reads.append(1)
+            return conf
+        return read
+
+    weak = np.full((2, 3), 0.3)
+    want = plan_budget_lagged(weak, caps, 0, 2, steep)
+    assert want.trimmed
+    budgets = [p.plan_cpu(stale(weak), caps, 0, 2) for _ in range(6)]
+    assert budgets == [want.budget] * 6 and len(reads) == 2  # plans 1 and 5 searched
+    assert p.last_decision.budget == want.budget and p.last_decision.trimmed
+    # plan 7: the searched budget still stands, though the confidences have moved since
+    sure = np.full((2, 3), 0.99)
+    assert p.plan_cpu(stale(sure), caps, 0, 2) == want.budget and len(reads) == 2
+    p.plan_cpu(stale(weak), np.array([3, 2]), 0, 2)  # another shape: its own search
+    assert len(reads) == 3
+    p.plan_cpu(stale(weak), caps, 0, 2, opportunity_rate=0.5)  # prefill chunks: searched
+    assert len(reads) == 4
+    p.invalidate_tables()
+    assert p.plan_cpu(stale(sure), caps, 0, 2) == 6 and len(reads) == 5
