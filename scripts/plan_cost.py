@@ -62,8 +62,9 @@ def measure(num_reqs: int, repeats: int) -> str:
     stale, cost = sd._stale(slots), sd.planner.cost
     total = int(caps.sum())
     settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
-    plan = per_call_us(lambda: sd.plan(host), repeats)  # the engine's (clear plans reused)
-    sd.planner.reuse_clear_plans = 1
+    plan = per_call_us(lambda: sd.plan(host), repeats)  # the engine's (plans reused)
+    sd.planner.reuse_clear_plans = sd.planner.reuse_trimmed_plans = 1
+    sd.planner.invalidate_tables()  # (drops the standing plans too)
     parts = {
         "plan": plan,
         "plan without reuse": per_call_us(lambda: sd.plan(host), repeats),
