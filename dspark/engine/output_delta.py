@@ -13,8 +13,6 @@ pipe, one reader), until the finished one; after an abort the engine sends none.
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -43,9 +41,11 @@ class DeltaEncoder:
             self._sent.pop(rid, None)
         else:
             self._sent[rid] = (text, len(ids))
+        m = out.metrics  # (dataclasses.astuple deep-copies: ~10 us per output)
+        metrics = (m.arrival_time, m.first_token_time, m.finished_time, m.num_prompt_tokens,
+                   m.num_cached_tokens, m.num_preemptions)  # fmt: skip
         return (rid, prompt, text_at, tail, ids_at, new_ids, out.new_token_ids, out.finished,
-                comp.finish_reason, comp.stop_reason, astuple(out.metrics),
-                out.spec_decode)  # fmt: skip
+                comp.finish_reason, comp.stop_reason, metrics, out.spec_decode)  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: no more outputs of it."""

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark.sampling.processors import GREEDY_EPS
+
 # ---------------------------------------------------------------------- metrics
 
 
@@ -296,6 +298,21 @@ class OnlineAcceptanceEstimator:
     def coefficients(self) -> tuple[float, list[float]]:
         """(slope, intercepts) on the host; syncs, for logs and metrics only."""
         return float(self.w.cpu()), self.b.cpu().tolist()
+
+
+def draft_confidences(draft, temperature, synthetic_rates, use_head: bool, sts, estimator):
+    """(conf [R, K] float32, head logits or None, estimator features or None) of a round of
+    drafts: the allocation's conditional acceptance probabilities."""
+    if synthetic_rates is not None:  # the scheduler sees the true conditional probabilities
+        return synthetic_rates.expand(temperature.shape[0], -1).float(), None, None
+    if use_head:
+        logits = draft.conf_logits.float()
+        if sts is None:
+            return torch.sigmoid(logits), logits, None
+        # each row's sampling mode's temperatures (row 0: greedy, row 1: sampled)
+        return apply_sts(logits, sts[(temperature > GREEDY_EPS).long()]).float(), logits, None
+    feats = features_from_draft_probs(draft.max_probs)
+    return estimator.predict(feats).float(), None, feats
 
 
 def confidence_source(sc, drafter_cfg, k: int, device):

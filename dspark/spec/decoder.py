@@ -19,9 +19,8 @@ from dspark.config import EngineConfig
 from dspark.engine.input_batch import StepInputs, finalize
 from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
-from dspark.sampling.processors import GREEDY_EPS
 from dspark.sampling.sampler import sample_step
-from dspark.spec.confidence import apply_sts, confidence_source, features_from_draft_probs
+from dspark.spec.confidence import confidence_source, draft_confidences
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
@@ -340,21 +339,13 @@ class SpecDecoder:
         self.draft_tokens[slots] = draft.token_ids
         if self.draft_probs is not None and draft.probs is not None:
             self.draft_probs[slots] = draft.probs
-        if self.synthetic_rates is not None:
-            # the scheduler sees the true conditional acceptance probabilities
-            conf = self.synthetic_rates.expand(anchors.shape[0], self.k)
-        elif self.use_head:
-            logits = draft.conf_logits
-            self.conf_logits[slots] = logits.float()
-            if self.sts is None:
-                conf = torch.sigmoid(logits)
-            else:  # each row's sampling mode's temperatures (row 0: greedy, row 1: sampled)
-                conf = apply_sts(logits, self.sts[(temperature > GREEDY_EPS).long()])
-        else:
-            feats = features_from_draft_probs(draft.max_probs)
+        conf, logits, feats = draft_confidences(draft, temperature, self.synthetic_rates,
+                                                self.use_head, self.sts, self.estimator)
+        if logits is not None:
+            self.conf_logits[slots] = logits
+        if feats is not None:
             self.features[slots] = feats
-            conf = self.estimator.predict(feats)
-        self.conf[slots] = conf.float()
+        self.conf[slots] = conf
 
     def drafts_row(self, i: int) -> bool:
         """Whether row i of the step just run has drafts for the next step."""
