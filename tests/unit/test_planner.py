@@ -364,6 +364,18 @@ def test_plan_cpu_with_cached_shapes_decides_as_the_uncached_search():
     assert 50 < trimmed < 550  # both outcomes exercised
 
 
+def _counting_reads(reads: list):
+    """stale(conf) -> a lazy confidence read that appends to `reads` when called."""
+
+    def stale(conf):
+        def read():
+            reads.append(1)
+            return conf
+        return read
+
+    return stale
+
+
 def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     """With reuse_clear_plans = 4, a verify-all plan whose best trim was far from the guard
     is reused, confidences unread, for the next 3 plans of the same shape; a shape that
@@ -372,12 +384,7 @@ def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     p = Planner("lagged", steep, reuse_clear_plans=4)
     caps = np.array([3, 3])
     reads = []
-
-    def stale(conf):
-        def read():
-            reads.append(1)
-            return conf
-        return read
+    stale = _counting_reads(reads)
 
     sure = np.full((2, 3), 0.99)  # every draft nearly certain: verify-all clearly best
     assert plan_budget_lagged(sure, caps, 0, 2, steep).predicted_gain < 0.02
@@ -489,12 +496,7 @@ def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     p = Planner("lagged", steep, reuse_trimmed_plans=4)
     caps = np.array([3, 3])
     reads = []
-
-    def stale(conf):
-        def read():
-            reads.append(1)
-            return conf
-        return read
+    stale = _counting_reads(reads)
 
     weak = np.full((2, 3), 0.3)
     want = plan_budget_lagged(weak, caps, 0, 2, steep)
