@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.output_delta import DeltaEncoder
-from dspark.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,10 @@ class EngineCore:
                  deltas: bool = False):  # fmt: skip
         self.engine = engine
         self.emit = emit
-        self.encoder = DeltaEncoder() if deltas else None  # outputs as deltas (a pipe)
+        self.encoder = None
+        if deltas:  # outputs as deltas (across a pipe), made straight from the requests
+            self.encoder = DeltaEncoder()
+            engine.output_maker = self.encoder.make
         engine.on_outputs = self._outputs  # called inside step(), as soon as they are built
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -131,13 +133,9 @@ class EngineCore:
             outs.append(eng.abort_output(req))
         self._outputs(outs)
 
-    def _outputs(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
-        if self.encoder is None:
-            self.emit([("outputs", outputs)])
-        else:
-            self.emit([("deltas", [self.encoder.encode(out) for out in outputs])])
+    def _outputs(self, outputs: list) -> None:
+        if outputs:
+            self.emit([("deltas" if self.encoder is not None else "outputs", outputs)])
 
     # -- counters for /metrics ----------------------------------------------------------------
     def _maybe_snapshot(self, idle: bool = False) -> None:

@@ -98,6 +98,8 @@ class LLMEngine:
         # offline API only needs finished outputs, so it turns this off: step() then returns
         # finished requests only, without per-step detokenization or output objects
         self.stream_outputs = True
+        # what an output is: a RequestOutput (make_output), or an engine process's delta
+        self.output_maker = make_output
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "step_time_ms": 0.0}  # fmt: skip
         # What exists now (libraries, modules, tensors, tokenizer: ~300k objects) lives as long
@@ -288,10 +290,10 @@ class LLMEngine:
         if not produced:
             return []
         outputs = build_outputs(produced, self.detokenizer, self.stream_outputs,
-                                self.runner.spec is not None)  # fmt: skip
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
+                                self.runner.spec is not None, self.output_maker)  # fmt: skip
+        for req, _ in produced:
+            if req.status.finished:
+                self.requests.pop(req.request_id, None)
         if self.on_outputs is None:
             return outputs
         self.on_outputs(outputs)
@@ -375,7 +377,8 @@ class LLMEngine:
         return self.detokenizer.decode(token_ids)
 
 
-    def abort_output(self, req: Request) -> RequestOutput:
+    def abort_output(self, req: Request):
+        """The final output of an aborted request (made by `output_maker`)."""
         self.requests.pop(req.request_id, None)
-        return make_output(req, [], self.detokenizer, self.stream_outputs,
-                           self.runner.spec is not None)  # fmt: skip
+        return self.output_maker(req, [], self.detokenizer, self.stream_outputs,
+                                 self.runner.spec is not None)  # fmt: skip

@@ -1,6 +1,8 @@
 """RequestOutputs from committed requests: the text (one batched detokenization per step),
 the token ids, the finish reason, metrics and speculation stats. The engine builds a step's
-outputs while the next step runs on the device (llm_engine.py)."""
+outputs while the next step runs on the device (llm_engine.py). `make_output` is the
+engine's default output maker; an engine process makes deltas instead (output_delta.py),
+from the same `settle_text` and `output_fields`."""
 
 from __future__ import annotations
 
@@ -15,26 +17,41 @@ def needs_text(req: Request, stream: bool) -> bool:
 
 
 def build_outputs(produced: list[tuple[Request, list[int]]], detokenizer: Detokenizer,
-                  stream: bool, with_spec: bool) -> list[RequestOutput]:  # fmt: skip
+                  stream: bool, with_spec: bool, make=None) -> list:  # fmt: skip
     """Outputs of (request, its new tokens) pairs: the text of every request at once (one
-    batched decode), then the output objects."""
+    batched decode), then the output objects (made by `make`, default make_output)."""
     detokenizer.update_many([req for req, _ in produced if needs_text(req, stream)])
-    return [make_output(req, toks, detokenizer, stream, with_spec, detokenized=True)
+    make = make_output if make is None else make
+    return [make(req, toks, detokenizer, stream, with_spec, detokenized=True)
             for req, toks in produced]  # fmt: skip
+
+
+def settle_text(req: Request, detokenizer: Detokenizer, stream: bool,
+                detokenized: bool = False) -> None:  # fmt: skip
+    """Bring req.output_text up to date for an output (incremental; whole at the finish)."""
+    if needs_text(req, stream):
+        if not detokenized:
+            detokenizer.update(req)
+        if req.status.finished and req.read_offset < req.num_output_tokens:
+            # flush a held-back tail (e.g. an incomplete character at the very end)
+            req.output_text = detokenizer.decode(req.output_token_ids)
+
+
+def output_fields(req: Request, with_spec: bool) -> tuple:
+    """(finished, finish reason, speculation stats, metrics fields) of a request's output."""
+    finished = req.status.finished
+    finish = req.status.value if finished else None
+    # per-request speculation stats are reported with the final output
+    spec = req.spec.as_dict() if finished and with_spec else None
+    metrics = (req.arrival_time, req.first_token_time, req.finished_time,
+               req.num_prompt_tokens, req.num_cached_tokens, req.num_preemptions)  # fmt: skip
+    return finished, finish, spec, metrics
 
 
 def make_output(req: Request, new_tokens: list[int], detokenizer: Detokenizer, stream: bool,
                 with_spec: bool, detokenized: bool = False) -> RequestOutput:  # fmt: skip
-    finished = req.status.finished
-    if needs_text(req, stream):
-        if not detokenized:
-            detokenizer.update(req)
-        if finished and req.read_offset < req.num_output_tokens:
-            # flush a held-back tail (e.g. an incomplete character at the very end)
-            req.output_text = detokenizer.decode(req.output_token_ids)
-    finish = req.status.value if finished else None
-    # per-request speculation stats are reported with the final output
-    spec = req.spec.as_dict() if finished and with_spec else None
+    settle_text(req, detokenizer, stream, detokenized)
+    finished, finish, spec, metrics = output_fields(req, with_spec)
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
@@ -43,10 +60,7 @@ def make_output(req: Request, new_tokens: list[int], detokenizer: Detokenizer, s
             CompletionOutput(0, req.output_text, req.output_token_ids, finish, req.stop_reason)
         ],
         finished=finished,
-        metrics=RequestMetrics(
-            req.arrival_time, req.first_token_time, req.finished_time,
-            req.num_prompt_tokens, req.num_cached_tokens, req.num_preemptions,
-        ),  # fmt: skip
+        metrics=RequestMetrics(*metrics),
         spec_decode=spec,
         new_token_ids=new_tokens,
     )

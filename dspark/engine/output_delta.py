@@ -3,9 +3,10 @@
 A streamed RequestOutput is cumulative: the prompt, its token ids, every output token id and
 the whole text, every step. Pickled for 256 requests per step that is ~200k integers each
 way, growing with the outputs; the server's process then spent more time unpickling than the
-step took. The engine side sends, per output, only what changed since the request's previous
-output (new token ids, the text after the part already sent) and the prompt once; the server
-side rebuilds the same cumulative RequestOutput.
+step took. The engine side makes, per output, only what changed since the request's previous output
+(new token ids, the text after the part already sent) and the prompt once, straight from the
+request (no RequestOutput is built in the engine process); the server side rebuilds the same
+cumulative RequestOutput.
 
 Invariant: for each request, the decoder sees every delta the encoder made, in order (one
 pipe, one reader), until the finished one; after an abort the engine sends none.
@@ -13,39 +14,40 @@ pipe, one reader), until the finished one; after an abort the engine sends none.
 
 from __future__ import annotations
 
+from dspark.engine.output_builder import output_fields, settle_text
+from dspark.engine.request import Request
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class DeltaEncoder:
-    """Engine side: RequestOutput -> delta tuple."""
+    """Engine side: the engine's output maker in delta mode (make_output's counterpart)."""
 
     def __init__(self):
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (text, token count) sent
 
-    def encode(self, out: RequestOutput) -> tuple:
-        rid, comp = out.request_id, out.outputs[0]
+    def make(self, req: Request, new_tokens: list[int], detokenizer, stream: bool,
+             with_spec: bool, detokenized: bool = False) -> tuple:  # fmt: skip
+        settle_text(req, detokenizer, stream, detokenized)
+        finished, finish, spec, metrics = output_fields(req, with_spec)
+        rid, text, ids = req.request_id, req.output_text, req.output_token_ids
         prev = self._sent.get(rid)
-        text, ids = comp.text, comp.token_ids
         prompt = None
         if prev is None:
-            prompt = (out.prompt, out.prompt_token_ids)
+            prompt = (req.prompt, req.prompt_token_ids)
             text_at, tail, ids_at, new_ids = 0, text, 0, list(ids)
         else:
             prev_text, prev_n = prev
-            # text grows at its end; a rewrite (never expected) resends it whole
+            # text grows at its end; a rewrite (a stop string cutting it) resends it whole
             text_at = len(prev_text) if text.startswith(prev_text) else 0
             tail = text[text_at:]
             ids_at = prev_n if len(ids) >= prev_n else 0
             new_ids = ids[ids_at:]
-        if out.finished:
+        if finished:
             self._sent.pop(rid, None)
         else:
             self._sent[rid] = (text, len(ids))
-        m = out.metrics  # (dataclasses.astuple deep-copies: ~10 us per output)
-        metrics = (m.arrival_time, m.first_token_time, m.finished_time, m.num_prompt_tokens,
-                   m.num_cached_tokens, m.num_preemptions)  # fmt: skip
-        return (rid, prompt, text_at, tail, ids_at, new_ids, out.new_token_ids, out.finished,
-                comp.finish_reason, comp.stop_reason, metrics, out.spec_decode)  # fmt: skip
+        return (rid, prompt, text_at, tail, ids_at, new_ids, new_tokens, finished, finish,
+                req.stop_reason, metrics, spec)  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         """The request was aborted: no more outputs of it."""

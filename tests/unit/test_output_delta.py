@@ -1,6 +1,7 @@
-"""The engine process's outputs travel as deltas (dspark/engine/output_delta.py): decoded,
-every streamed output equals the engine's own, field by field, through stop strings, length
-limits, stop tokens and aborts; and what crosses the pipe stops growing with the output."""
+"""The engine process's outputs travel as deltas made straight from the requests
+(dspark/engine/output_delta.py): decoded, every streamed output equals the RequestOutput the
+engine makes in a thread, field by field, through stop strings, length limits, stop tokens
+and aborts; and what crosses the pipe stops growing with the output."""
 
 import copy
 import pickle
@@ -8,6 +9,7 @@ import pickle
 import pytest
 
 from dspark import LLM, SamplingParams
+from dspark.engine.output_builder import make_output
 from dspark.engine.output_delta import DeltaDecoder, DeltaEncoder
 
 
@@ -16,10 +18,17 @@ def llm(tiny_qwen):
     return LLM(tiny_qwen, device="cpu", max_model_len=256, seed=0)
 
 
-def _stream(llm, requests, abort_after: dict | None = None):
-    """Step the engine with streaming on; yields each output as the engine built it."""
+def _stream(llm, enc: DeltaEncoder, requests, abort_after: dict | None = None):
+    """Step the engine with streaming on, each output made both ways; yields
+    (RequestOutput, its delta) pairs as the engine made them, and the id of each abort."""
     eng = llm.engine
-    eng.stream_outputs = True
+
+    def both(req, new_tokens, detok, stream, with_spec, detokenized=False):
+        out = copy.deepcopy(make_output(req, new_tokens, detok, stream, with_spec, detokenized))
+        # (the text is settled by then: the delta sees what the RequestOutput saw)
+        return out, enc.make(req, new_tokens, detok, stream, with_spec, detokenized=True)
+
+    eng.stream_outputs, eng.output_maker = True, both
     try:
         for rid, prompt, params in requests:
             eng.add_request(rid, prompt, params)
@@ -30,9 +39,9 @@ def _stream(llm, requests, abort_after: dict | None = None):
             for rid, at in (abort_after or {}).items():
                 if steps == at and rid in eng.requests:
                     eng.abort_request(rid)
-                    yield rid  # (the abort, in order)
+                    yield rid
     finally:
-        eng.stream_outputs = False
+        eng.stream_outputs, eng.output_maker = False, make_output
 
 
 def test_decoded_outputs_equal_the_engines(llm):
@@ -50,45 +59,37 @@ def test_decoded_outputs_equal_the_engines(llm):
     ]  # fmt: skip
     enc, dec = DeltaEncoder(), DeltaDecoder()
     seen, finished = 0, set()
-    for item in _stream(llm, requests, abort_after={"gone": 5}):
+    for item in _stream(llm, enc, requests, abort_after={"gone": 5}):
         if isinstance(item, str):  # aborted: both sides forget it
             enc.forget(item)
             dec.forget(item)
             continue
-        want = copy.deepcopy(item)  # (the engine's token list keeps growing)
-        delta = pickle.loads(pickle.dumps(enc.encode(item)))  # as through the pipe
-        got = copy.deepcopy(dec.decode(delta))
-        assert got == want, item.request_id
+        want, delta = item
+        got = copy.deepcopy(dec.decode(pickle.loads(pickle.dumps(delta))))  # as through a pipe
+        assert got == want, want.request_id
         seen += 1
-        if item.finished:
-            finished.add((item.request_id, item.outputs[0].finish_reason))
+        if want.finished:
+            finished.add((want.request_id, want.outputs[0].finish_reason))
     assert seen > 40
     assert {rid for rid, _ in finished} == {"len", "stop", "hot", "ids"}
     assert ("stop", "stop") in finished and ("len", "length") in finished
     assert enc._sent == {} and dec._state == {}  # nothing held for finished or aborted ones
 
 
-def test_an_output_after_its_abort_is_dropped():
+def test_an_output_after_its_abort_is_dropped(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     enc, dec = DeltaEncoder(), DeltaDecoder()
-    from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-    def out(ids, text):
-        return RequestOutput("r", "p", [1, 2], [CompletionOutput(0, text, ids)], False,
-                             RequestMetrics(0.0, None, None, 2, 0, 0), new_token_ids=ids[-1:])
-
-    assert dec.decode(enc.encode(out([7], "a"))).outputs[0].text == "a"
-    late = enc.encode(out([7, 8], "ab"))
-    dec.forget("r")  # the server aborted it while that output was in the pipe
-    assert dec.decode(late) is None
+    deltas = [d for _, d in _stream(llm, enc, [("r", "hi", params)])]
+    assert dec.decode(deltas[0]).outputs[0].token_ids == deltas[0][5]
+    dec.forget("r")  # the server aborted it while the next output was in the pipe
+    assert dec.decode(deltas[1]) is None
 
 
 def test_what_crosses_the_pipe_does_not_grow_with_the_output(llm):
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(3, 103))}  # a 100-token prompt
-    enc = DeltaEncoder()
-    sizes = []
-    for out in _stream(llm, [("long", prompt, params)]):
-        sizes.append((len(pickle.dumps(out)), len(pickle.dumps(enc.encode(out)))))
+    sizes = [(len(pickle.dumps(out)), len(pickle.dumps(delta)))
+             for out, delta in _stream(llm, DeltaEncoder(), [("long", prompt, params)])]
     full_last, delta_last = sizes[-2]  # (the last is the final output)
     assert len(sizes) == 120
     assert full_last > 10 * delta_last, sizes[-2]
