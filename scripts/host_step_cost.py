@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--stream", action="store_true",
                     help="outputs with text for every request every step, as a server streams")
+    ap.add_argument("--deltas", action="store_true",
+                    help="with --stream: outputs made as an engine process makes them (deltas)")
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a device that takes this long per decode step: reports how much of "
                          "the host work does not overlap it")
@@ -132,6 +134,10 @@ def main() -> int:
     runner = llm.engine.runner
     sg = stub_device_work(runner, device_ms=args.device_ms)
     llm.engine.stream_outputs = args.stream
+    if args.deltas:
+        from dspark.engine.output_delta import DeltaEncoder
+
+        llm.engine.output_maker = DeltaEncoder().make
     spent = collections.Counter()
 
     def timed(obj, name):
@@ -165,7 +171,8 @@ def main() -> int:
         steps += 1
     per_step = (time.perf_counter() - t0) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
-    head = (f"policy {args.policy}{', streaming' if args.stream else ''}, "
+    head = (f"policy {args.policy}{', streaming' if args.stream else ''}"
+            f"{' deltas' if args.deltas else ''}, "
             f"concurrency {args.concurrency}: {steps} decode steps, ")
     if args.device_ms:  # (the breakdown's parts include the device wait where they span it)
         print(head + f"step period {per_step:.0f} us with a {args.device_ms:g} ms device: "
