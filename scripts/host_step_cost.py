@@ -123,7 +123,8 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="outputs with text for every request every step, as a server streams")
     ap.add_argument("--deltas", action="store_true",
-                    help="with --stream: outputs made as an engine process makes them (deltas)")
+                    help="with --stream: outputs made as an engine process makes them (deltas; "
+                         "text left to the server's process)")
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a device that takes this long per decode step: reports how much of "
                          "the host work does not overlap it")
@@ -137,7 +138,8 @@ def main() -> int:
     if args.deltas:
         from dspark.engine.output_delta import DeltaEncoder
 
-        llm.engine.output_maker = DeltaEncoder().make
+        enc = DeltaEncoder()  # (its text made by the server's process: not timed here)
+        llm.engine.output_maker, llm.engine.output_text_for = enc.make, DeltaEncoder.text_for
     spent = collections.Counter()
 
     def timed(obj, name):

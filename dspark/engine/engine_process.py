@@ -94,7 +94,7 @@ class ProcessCore:
         self._reader: threading.Thread | None = None
         self._exited = False
         self._counts = (0, 0)  # (waiting, running) of the latest snapshot
-        self._decoder = DeltaDecoder()
+        self._decoder = DeltaDecoder(self.tokenizer)  # (makes most requests' text)
 
     def _wait_ready(self) -> dict:
         while True:
@@ -130,8 +130,7 @@ class ProcessCore:
                 if event[0] == "snapshot":
                     self._counts = (event[1]["num_waiting"], event[1]["num_running"])
                 elif event[0] == "deltas":
-                    outs = (self._decoder.decode(d) for d in event[1])
-                    events[i] = ("outputs", [out for out in outs if out is not None])
+                    events[i] = ("outputs", self._decoder.decode_many(event[1]))
             if events:
                 on_events(events)
             if self._exited:

@@ -21,7 +21,7 @@ from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.model_runner import ModelRunner, StepResult
-from dspark.engine.output_builder import build_outputs, make_output
+from dspark.engine.output_builder import build_outputs, make_output, needs_text
 from dspark.engine.prompt_input import prompt_token_ids
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
@@ -99,7 +99,8 @@ class LLMEngine:
         # finished requests only, without per-step detokenization or output objects
         self.stream_outputs = True
         # what an output is: a RequestOutput (make_output), or an engine process's delta
-        self.output_maker = make_output
+        # (output_delta.py), and whose text the engine makes (needs_text: every output's)
+        self.output_maker, self.output_text_for = make_output, needs_text
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "step_time_ms": 0.0}  # fmt: skip
         # What exists now (libraries, modules, tensors, tokenizer: ~300k objects) lives as long
@@ -290,7 +291,8 @@ class LLMEngine:
         if not produced:
             return []
         outputs = build_outputs(produced, self.detokenizer, self.stream_outputs,
-                                self.runner.spec is not None, self.output_maker)  # fmt: skip
+                                self.runner.spec is not None, self.output_maker,
+                                self.output_text_for)  # fmt: skip
         for req, _ in produced:
             if req.status.finished:
                 self.requests.pop(req.request_id, None)

@@ -14,7 +14,8 @@ pipe, one reader), until the finished one; after an abort the engine sends none.
 
 from __future__ import annotations
 
-from dspark.engine.output_builder import output_fields, settle_text
+from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.output_builder import needs_text, output_fields, settle_text
 from dspark.engine.request import Request
 from dspark.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -25,11 +26,21 @@ class DeltaEncoder:
     def __init__(self):
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (text, token count) sent
 
+    @staticmethod
+    def text_for(req: Request, stream: bool) -> bool:
+        """Whether the engine makes this output's text: only to match stop strings; the
+        server's process detokenizes the other requests (DeltaDecoder), off the engine's
+        critical path."""
+        return bool(req.params.stop_strings) and needs_text(req, stream)
+
     def make(self, req: Request, new_tokens: list[int], detokenizer, stream: bool,
              with_spec: bool, detokenized: bool = False) -> tuple:  # fmt: skip
-        settle_text(req, detokenizer, stream, detokenized)
+        engine_text = bool(req.params.stop_strings)
+        if engine_text:
+            settle_text(req, detokenizer, stream, detokenized)
         finished, finish, spec, metrics = output_fields(req, with_spec)
-        rid, text, ids = req.request_id, req.output_text, req.output_token_ids
+        rid, ids = req.request_id, req.output_token_ids
+        text = req.output_text if engine_text else ""
         prev = self._sent.get(rid)
         prompt = None
         if prev is None:
@@ -42,6 +53,8 @@ class DeltaEncoder:
             tail = text[text_at:]
             ids_at = prev_n if len(ids) >= prev_n else 0
             new_ids = ids[ids_at:]
+        if not engine_text:
+            text_at = -1  # the decoder detokenizes
         if finished:
             self._sent.pop(rid, None)
         else:
@@ -54,24 +67,63 @@ class DeltaEncoder:
         self._sent.pop(request_id, None)
 
 
-class DeltaDecoder:
-    """Server side: delta tuple -> the cumulative RequestOutput (None: an aborted request's)."""
+class _Text:
+    """A request's output text as the server's process makes it, with the offsets the
+    Detokenizer keeps on a Request (its windows never reach into the prompt, so the output
+    ids alone are enough: num_prompt_tokens 0)."""
 
-    def __init__(self):
-        self._state: dict[str, list] = {}  # request id -> [prompt, prompt ids, ids, text]
+    num_prompt_tokens = 0
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids  # the decoder's output ids (shared, updated in place)
+        self.output_text = ""
+        self.prefix_offset = self.read_offset = 0
+
+
+class DeltaDecoder:
+    """Server side: delta tuples -> the cumulative RequestOutputs (an aborted request's:
+    dropped). Text the engine did not make is detokenized here, incrementally, with the same
+    Detokenizer and the same windows as the engine would use: the same text."""
+
+    def __init__(self, tokenizer=None):
+        self.detokenizer = Detokenizer(tokenizer)
+        self._state: dict[str, list] = {}  # request id -> [prompt, prompt ids, ids, text, _Text]
+
+    def decode_many(self, deltas: list[tuple]) -> list[RequestOutput]:
+        """The outputs of one batch of deltas (one batched detokenization for all)."""
+        rows = [row for row in map(self._apply, deltas) if row is not None]
+        self.detokenizer.update_many([row[1][4] for row in rows if row[2]])
+        return [self._output(*row) for row in rows]
 
     def decode(self, delta: tuple) -> RequestOutput | None:
-        (rid, prompt, text_at, tail, ids_at, new_ids, step_ids, finished, finish_reason,
-         stop_reason, metrics, spec_decode) = delta  # fmt: skip
+        outs = self.decode_many([delta])
+        return outs[0] if outs else None
+
+    def _apply(self, delta: tuple):
+        """Update a request's ids and engine-made text; (delta, state, detokenize here?)."""
+        rid, prompt, text_at, tail, ids_at, new_ids = delta[:6]
         state = self._state.get(rid)
         if prompt is not None:
-            state = self._state[rid] = [prompt[0], prompt[1], [], ""]
+            ids: list[int] = []
+            state = self._state[rid] = [prompt[0], prompt[1], ids, "", _Text(ids)]
         elif state is None:
             return None  # aborted here while its output was in the pipe
         ids = state[2]
         del ids[ids_at:]
         ids.extend(new_ids)
-        state[3] = state[3][:text_at] + tail
+        if text_at >= 0:
+            state[3] = state[3][:text_at] + tail
+        return delta, state, text_at < 0
+
+    def _output(self, delta: tuple, state: list, here: bool) -> RequestOutput:
+        (rid, _, _, _, _, _, step_ids, finished, finish_reason, stop_reason, metrics,
+         spec_decode) = delta  # fmt: skip
+        ids = state[2]
+        if here:
+            text = state[4]
+            if finished and text.read_offset < len(ids):  # (as settle_text: the held tail)
+                text.output_text = self.detokenizer.decode(ids)
+            state[3] = text.output_text
         if finished:
             self._state.pop(rid, None)
         return RequestOutput(

@@ -1,6 +1,7 @@
 """The engine process's outputs travel as deltas made straight from the requests
-(dspark/engine/output_delta.py): decoded, every streamed output equals the RequestOutput the
-engine makes in a thread, field by field, through stop strings, length limits, stop tokens
+(dspark/engine/output_delta.py), their text made by the server's process unless the request
+has stop strings: decoded, every streamed output equals the RequestOutput the engine makes in
+a thread, field by field (text included), through stop strings, length limits, stop tokens
 and aborts; and what crosses the pipe stops growing with the output."""
 
 import copy
@@ -57,20 +58,23 @@ def test_decoded_outputs_equal_the_engines(llm):
          SamplingParams(temperature=0.7, seed=1, max_tokens=40, ignore_eos=True)),
         ("gone", "class A:", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
     ]  # fmt: skip
-    enc, dec = DeltaEncoder(), DeltaDecoder()
-    seen, finished = 0, set()
+    enc, dec = DeltaEncoder(), DeltaDecoder(llm.engine.tokenizer)
+    seen, finished, text_here = 0, set(), 0
     for item in _stream(llm, enc, requests, abort_after={"gone": 5}):
         if isinstance(item, str):  # aborted: both sides forget it
             enc.forget(item)
             dec.forget(item)
             continue
         want, delta = item
+        # the engine makes the text only of requests with stop strings; the decoder the rest
+        assert (delta[2] == -1 and delta[3] == "") == (want.request_id != "stop"), delta
+        text_here += delta[2] == -1 and want.outputs[0].text != ""
         got = copy.deepcopy(dec.decode(pickle.loads(pickle.dumps(delta))))  # as through a pipe
         assert got == want, want.request_id
         seen += 1
         if want.finished:
             finished.add((want.request_id, want.outputs[0].finish_reason))
-    assert seen > 40
+    assert seen > 40 and text_here > 30
     assert {rid for rid, _ in finished} == {"len", "stop", "hot", "ids"}
     assert ("stop", "stop") in finished and ("len", "length") in finished
     assert enc._sent == {} and dec._state == {}  # nothing held for finished or aborted ones
@@ -78,7 +82,7 @@ def test_decoded_outputs_equal_the_engines(llm):
 
 def test_an_output_after_its_abort_is_dropped(llm):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    enc, dec = DeltaEncoder(), DeltaDecoder()
+    enc, dec = DeltaEncoder(), DeltaDecoder(llm.engine.tokenizer)
     deltas = [d for _, d in _stream(llm, enc, [("r", "hi", params)])]
     assert dec.decode(deltas[0]).outputs[0].token_ids == deltas[0][5]
     dec.forget("r")  # the server aborted it while the next output was in the pipe
