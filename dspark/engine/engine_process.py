@@ -126,18 +126,24 @@ class ProcessCore:
             if events[-1][0] == "exited":
                 self._exited = True
                 events = events[:-1]
-            for i, event in enumerate(events):
-                if event[0] == "snapshot":
-                    self._counts = (event[1]["num_waiting"], event[1]["num_running"])
-                elif event[0] == "deltas":
-                    events[i] = ("outputs", self._decoder.decode_many(event[1]))
-            if events:
-                on_events(events)
+            try:
+                self._hand_over(events, on_events)
+            except Exception:  # noqa: BLE001 - keep reading: other requests still stream
+                logger.exception("engine events dropped: %s", [e[0] for e in events])
             if self._exited:
                 return
         self.proc.join(5)  # the pipe closed without "exited": the child died
         on_events([("dead", f"the engine process exited unexpectedly (exit code "
                             f"{self.proc.exitcode})")])  # fmt: skip
+
+    def _hand_over(self, events: list[tuple], on_events) -> None:
+        for i, event in enumerate(events):
+            if event[0] == "snapshot":
+                self._counts = (event[1]["num_waiting"], event[1]["num_running"])
+            elif event[0] == "deltas":
+                events[i] = ("outputs", self._decoder.decode_many(event[1]))
+        if events:
+            on_events(events)
 
     def submit(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
