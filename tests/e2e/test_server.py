@@ -96,6 +96,38 @@ def run_server(model_path: str, api_key: str | None = API_KEY, max_waiting: int 
         engine.close()
 
 
+async def stream_or_drop(client, i: int, max_tokens: int, drop_max_tokens: int):
+    """Stream request i (sampled, seed i); every fourth goes away after two chunks (None),
+    the others return every chunk."""
+    drop = i % 4 == 0
+    stream = await client.completions.create(
+        model=MODEL, prompt=f"def f{i}(x):", max_tokens=drop_max_tokens if drop else max_tokens,
+        temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if drop and len(chunks) >= 2:
+            await stream.close()  # the client goes away mid-stream
+            return None
+    return chunks
+
+
+def sse_data(url: str, body: dict, headers: dict, after_two=None) -> list[str]:
+    """The data lines of a streamed completion; `after_two()` runs once two have come."""
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                      timeout=30) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2 and after_two is not None:
+                    after_two()
+    return events
+
+
 @pytest.fixture(scope="module")
 def server(tiny_qwen):
     with run_server(tiny_qwen) as handle:
@@ -272,24 +304,10 @@ def test_concurrent_streams_and_disconnects_free_every_block(server):
     max_tokens tokens and, once they finish, every KV block is free."""
     n_total, n_drop, max_tokens = 64, 16, 8
 
-    async def one(client, i: int):
-        drop = i % 4 == 0
-        stream = await client.completions.create(
-            model=MODEL, prompt=f"def f{i}(x):", max_tokens=200 if drop else max_tokens,
-            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = []
-        async for chunk in stream:
-            chunks.append(chunk)
-            if drop and len(chunks) >= 2:
-                await stream.close()  # the client goes away mid-stream
-                return None
-        return chunks
-
     async def main():
         async with server.async_client() as client:
-            return await asyncio.gather(*(one(client, i) for i in range(n_total)))
+            return await asyncio.gather(*(stream_or_drop(client, i, max_tokens, 200)
+                                          for i in range(n_total)))  # fmt: skip
 
     results = asyncio.run(main())
     assert sum(r is None for r in results) == n_drop

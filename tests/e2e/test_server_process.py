@@ -17,7 +17,14 @@ from dspark import LLM, SamplingParams
 from dspark.config import EngineConfig
 from dspark.engine.async_engine import AsyncLLMEngine
 from dspark.engine.engine_process import ProcessCore
-from tests.e2e.test_server import MAX_MODEL_LEN, MODEL, _greedy, run_server
+from tests.e2e.test_server import (
+    MAX_MODEL_LEN,
+    MODEL,
+    _greedy,
+    run_server,
+    sse_data,
+    stream_or_drop,
+)
 
 
 def _gauges(server) -> tuple[float, float, float]:
@@ -54,24 +61,9 @@ def test_streams_disconnects_and_bad_input(server):
     """32 concurrent streams, 8 of which disconnect; a bad request in the middle is a 400
     naming its field. The others get every token; afterwards nothing is held."""
 
-    async def one(client, i: int):
-        drop = i % 4 == 0
-        stream = await client.completions.create(
-            model=MODEL, prompt=f"def f{i}(x):", max_tokens=120 if drop else 8,
-            temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = []
-        async for chunk in stream:
-            chunks.append(chunk)
-            if drop and len(chunks) >= 2:
-                await stream.close()
-                return None
-        return chunks
-
     async def main():
         async with server.async_client() as client:
-            tasks = [asyncio.create_task(one(client, i)) for i in range(32)]
+            tasks = [asyncio.create_task(stream_or_drop(client, i, 8, 120)) for i in range(32)]
             await asyncio.sleep(0.05)
             bad = await asyncio.to_thread(
                 server.post, "/v1/completions", {"model": MODEL, "prompt": "x",
@@ -103,15 +95,8 @@ def test_an_engine_process_that_dies_fails_its_streams_and_health(tiny_qwen):
     with run_server(tiny_qwen, engine_process=True) as srv:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
                 "stream": True}  # fmt: skip
-        events = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=srv.headers,
-                          timeout=30) as resp:  # fmt: skip
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 2:
-                        os.kill(srv.engine.core.proc.pid, signal.SIGKILL)
+        events = sse_data(srv.url, body, srv.headers,
+                          lambda: os.kill(srv.engine.core.proc.pid, signal.SIGKILL))
         assert "exited unexpectedly" in events[-1] or "exited unexpectedly" in events[-2]
         health = httpx.get(srv.url + "/health", timeout=10)
         assert health.status_code == 500 and "exited unexpectedly" in health.text

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_server import API_KEY, MAX_MODEL_LEN, MODEL, run_server
+from tests.e2e.test_server import API_KEY, MAX_MODEL_LEN, MODEL, run_server, sse_data
 
 BIG = "x" * (70 * 1024)
 
@@ -233,15 +233,7 @@ def test_sigterm_drains_then_aborts_cleanly(tiny_qwen):
                 time.sleep(0.2)
         headers = {"Authorization": f"Bearer {API_KEY}"}
         body = {"prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
-                          timeout=30) as resp:  # fmt: skip
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 2:
-                        proc.send_signal(signal.SIGTERM)
+        events = sse_data(url, body, headers, lambda: proc.send_signal(signal.SIGTERM))
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])
         assert last["choices"][0]["finish_reason"] in ("abort", "length")
