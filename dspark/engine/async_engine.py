@@ -95,8 +95,8 @@ class RequestStream:
 
 
 class ThreadCore:
-    """An EngineCore in a thread of this process (tests, the offline benchmarks' servers with
-    --no-engine-process); `engine` is the LLMEngine itself, for inspection."""
+    """An EngineCore in a thread of this process (`dspark serve --no-engine-process`, tests
+    that inspect the engine); `engine` is the LLMEngine itself."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
