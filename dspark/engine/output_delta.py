@@ -6,7 +6,9 @@ way, growing with the outputs; the server's process then spent more time unpickl
 step took. The engine side makes, per output, only what changed since the request's previous output
 (new token ids, the text after the part already sent) and the prompt once, straight from the
 request (no RequestOutput is built in the engine process); the server side rebuilds the same
-cumulative RequestOutput.
+cumulative RequestOutput. Text: the engine detokenizes only requests with stop strings (it
+must match them); the server's process makes the others' text with the same incremental
+Detokenizer (text_at = -1 in the delta), off the engine's critical path.
 
 Invariant: for each request, the decoder sees every delta the encoder made, in order (one
 pipe, one reader), until the finished one; after an abort the engine sends none.
@@ -45,7 +47,7 @@ class DeltaEncoder:
         prompt = None
         if prev is None:
             prompt = (req.prompt, req.prompt_token_ids)
-            text_at, tail, ids_at, new_ids = 0, text, 0, list(ids)
+            text_at, tail, ids_at, new_ids = 0, text, 0, ids  # (ids: a fresh copy)
         else:
             prev_text, prev_n = prev
             # text grows at its end; a rewrite (a stop string cutting it) resends it whole
