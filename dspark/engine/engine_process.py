@@ -86,10 +86,11 @@ class ProcessCore:
         # at interpreter exit, before multiprocessing joins its children: close the command
         # pipe, so that a child not stopped yet drains and exits instead of waiting forever
         mp.util.Finalize(self, self._cmd.close, exitpriority=10)
+        # (the server's own tokenizer loads while the child loads the engine)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         info = self._wait_ready()
         self.max_model_len = info["max_model_len"]
         self.model_path = config.model
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._exited = False

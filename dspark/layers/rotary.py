@@ -10,9 +10,10 @@ from torch import nn
 from dspark.layers.norm import RMSNorm, fused_ops
 
 
-def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, rope: dict, device=None) -> torch.Tensor:
     theta = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type == "default":
         return inv_freq
@@ -44,7 +45,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: dict):
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        # a target built on the meta device (target.py) recomputes this buffer afterwards: its
+        # placeholder is computed on the CPU, since these ops on meta tensors would import
+        # torch's Python meta kernels (~2 s of an engine's start-up)
+        default = torch.empty(0).device
+        if default.type == "meta":
+            inv_freq = rope_inv_freq(head_dim, rope, device="cpu").to(default)
+        else:
+            inv_freq = rope_inv_freq(head_dim, rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()

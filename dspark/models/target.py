@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch import nn
 
 from dspark.layers.rotary import rope_inv_freq
 from dspark.models.config import ModelConfig
@@ -10,11 +13,32 @@ from dspark.models.loader import load_weights
 from dspark.models.registry import resolve_model_class
 
 
+@contextlib.contextmanager
+def _no_random_init():
+    """Skip nn.Linear / nn.Embedding's random initialization while a model is built on the
+    meta device: to_empty() discards those values anyway, and the first such op on meta
+    tensors imports torch's Python meta kernels (~2 s of every engine process's start-up on a
+    2-core CPU). Process-wide, for as long as the model is being built (nothing else builds
+    these modules meanwhile: engines are built one at a time)."""
+    saved = {cls: cls.__dict__["reset_parameters"] for cls in (nn.Linear, nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = _skip
+    try:
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def _skip(self) -> None:
+    pass
+
+
 def load_target(
     model_cfg: ModelConfig, path: str, dtype: torch.dtype, device: torch.device, dummy=False
 ):
     cls = resolve_model_class(model_cfg.architectures)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = cls(model_cfg)
     model = model.to_empty(device=device).to(dtype)
     # non-persistent buffer: recompute it (in float32) after the meta-device construction
