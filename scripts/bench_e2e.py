@@ -70,6 +70,8 @@ def serve(args, spec, port, log_path):
         cmd += ["--load-format", args.load_format]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
+    if not args.engine_process:
+        cmd += ["--no-engine-process"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
@@ -234,6 +236,8 @@ def main() -> int:
       help="all servers at once, each level arm after arm (order rotating by level)")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
+    a("--no-engine-process", dest="engine_process", action="store_false",
+      help="servers run their engine in a thread (dspark serve --no-engine-process)")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
