@@ -69,15 +69,16 @@ class DeltaEncoder:
         self._sent.pop(request_id, None)
 
 
-class _Text:
-    """A request's output text as the server's process makes it, with the offsets the
-    Detokenizer keeps on a Request (its windows never reach into the prompt, so the output
-    ids alone are enough: num_prompt_tokens 0)."""
+class _Stream:
+    """What the server's process keeps of a request in flight: its prompt, output ids and
+    text, and the offsets the Detokenizer keeps on a Request (its windows never reach into
+    the prompt, so the output ids alone are enough: num_prompt_tokens 0)."""
 
     num_prompt_tokens = 0
 
-    def __init__(self, token_ids: list[int]):
-        self.token_ids = token_ids  # the decoder's output ids (shared, updated in place)
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int]):
+        self.prompt, self.prompt_token_ids = prompt, prompt_token_ids
+        self.token_ids: list[int] = []  # the output ids
         self.output_text = ""
         self.prefix_offset = self.read_offset = 0
 
@@ -89,48 +90,44 @@ class DeltaDecoder:
 
     def __init__(self, tokenizer=None):
         self.detokenizer = Detokenizer(tokenizer)
-        self._state: dict[str, list] = {}  # request id -> [prompt, prompt ids, ids, text, _Text]
+        self._state: dict[str, _Stream] = {}  # request id -> its stream
 
     def decode_many(self, deltas: list[tuple]) -> list[RequestOutput]:
         """The outputs of one batch of deltas (one batched detokenization for all)."""
         rows = [row for row in map(self._apply, deltas) if row is not None]
-        self.detokenizer.update_many([row[1][4] for row in rows if row[2]])
+        self.detokenizer.update_many([s for delta, s in rows if delta[2] < 0])
         return [self._output(*row) for row in rows]
 
     def decode(self, delta: tuple) -> RequestOutput | None:
         outs = self.decode_many([delta])
         return outs[0] if outs else None
 
-    def _apply(self, delta: tuple):
-        """Update a request's ids and engine-made text; (delta, state, detokenize here?)."""
+    def _apply(self, delta: tuple) -> tuple[tuple, _Stream] | None:
+        """Update a request's ids and engine-made text (text_at >= 0)."""
         rid, prompt, text_at, tail, ids_at, new_ids = delta[:6]
-        state = self._state.get(rid)
+        s = self._state.get(rid)
         if prompt is not None:
-            ids: list[int] = []
-            state = self._state[rid] = [prompt[0], prompt[1], ids, "", _Text(ids)]
-        elif state is None:
+            s = self._state[rid] = _Stream(*prompt)
+        elif s is None:
             return None  # aborted here while its output was in the pipe
-        ids = state[2]
-        del ids[ids_at:]
-        ids.extend(new_ids)
+        del s.token_ids[ids_at:]
+        s.token_ids.extend(new_ids)
         if text_at >= 0:
-            state[3] = state[3][:text_at] + tail
-        return delta, state, text_at < 0
+            s.output_text = s.output_text[:text_at] + tail
+        return delta, s
 
-    def _output(self, delta: tuple, state: list, here: bool) -> RequestOutput:
-        (rid, _, _, _, _, _, step_ids, finished, finish_reason, stop_reason, metrics,
+    def _output(self, delta: tuple, s: _Stream) -> RequestOutput:
+        (rid, _, text_at, _, _, _, step_ids, finished, finish_reason, stop_reason, metrics,
          spec_decode) = delta  # fmt: skip
-        ids = state[2]
-        if here:
-            text = state[4]
-            if finished and text.read_offset < len(ids):  # (as settle_text: the held tail)
-                text.output_text = self.detokenizer.decode(ids)
-            state[3] = text.output_text
+        if text_at < 0 and finished and s.read_offset < len(s.token_ids):
+            s.output_text = self.detokenizer.decode(s.token_ids)  # (as settle_text: the tail)
         if finished:
             self._state.pop(rid, None)
+        # (a copy of the ids, as the engine's RequestOutputs carry: the list grows in place)
         return RequestOutput(
-            request_id=rid, prompt=state[0], prompt_token_ids=state[1],
-            outputs=[CompletionOutput(0, state[3], ids, finish_reason, stop_reason)],
+            request_id=rid, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
+            outputs=[CompletionOutput(0, s.output_text, list(s.token_ids), finish_reason,
+                                      stop_reason)],
             finished=finished, metrics=RequestMetrics(*metrics), spec_decode=spec_decode,
             new_token_ids=step_ids,
         )  # fmt: skip
