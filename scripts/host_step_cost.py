@@ -138,8 +138,7 @@ def main() -> int:
     if args.deltas:
         from dspark.engine.output_delta import DeltaEncoder
 
-        enc = DeltaEncoder()  # (its text made by the server's process: not timed here)
-        llm.engine.output_maker, llm.engine.output_text_for = enc.make, DeltaEncoder.text_for
+        DeltaEncoder().attach(llm.engine)  # (text made by the server's process: not timed)
     spent = collections.Counter()
 
     def timed(obj, name):

@@ -47,7 +47,7 @@ class EngineCore:
         self.encoder = None
         if deltas:  # outputs as deltas (across a pipe), made straight from the requests
             self.encoder = DeltaEncoder()
-            engine.output_maker, engine.output_text_for = self.encoder.make, DeltaEncoder.text_for
+            self.encoder.attach(engine)
         engine.on_outputs = self._outputs  # called inside step(), as soon as they are built
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -17,13 +17,11 @@ def needs_text(req: Request, stream: bool) -> bool:
 
 
 def build_outputs(produced: list[tuple[Request, list[int]]], detokenizer: Detokenizer,
-                  stream: bool, with_spec: bool, make=None, text_for=None) -> list:  # fmt: skip
+                  stream: bool, with_spec: bool, make, text_for) -> list:  # fmt: skip
     """Outputs of (request, its new tokens) pairs: the text of every request that needs it
-    (`text_for`, default needs_text) at once (one batched decode), then the output objects
-    (made by `make`, default make_output)."""
-    text_for = needs_text if text_for is None else text_for
+    (`text_for`: needs_text, or a delta maker's) at once (one batched decode), then the
+    output objects (made by `make`: make_output, or deltas)."""
     detokenizer.update_many([req for req, _ in produced if text_for(req, stream)])
-    make = make_output if make is None else make
     return [make(req, toks, detokenizer, stream, with_spec, detokenized=True)
             for req, toks in produced]  # fmt: skip
 

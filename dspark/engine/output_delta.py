@@ -28,6 +28,11 @@ class DeltaEncoder:
     def __init__(self):
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (text, token count) sent
 
+    def attach(self, engine) -> None:
+        """Make `engine`'s outputs as deltas from now on, their text only where stop strings
+        need it."""
+        engine.output_maker, engine.output_text_for = self.make, self.text_for
+
     @staticmethod
     def text_for(req: Request, stream: bool) -> bool:
         """Whether the engine makes this output's text: only to match stop strings; the

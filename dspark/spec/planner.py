@@ -312,14 +312,14 @@ class Planner:
                         opportunity_rate)  # fmt: skip
         if opportunity_rate is None:
             if d.trimmed:
-                times = self.reuse_trimmed_plans
+                stands_for = self.reuse_trimmed_plans
             else:  # (a verify-all near the guard is searched again at the next plan)
                 clear = d.predicted_gain < self.min_predicted_gain / 2
-                times = self.reuse_clear_plans if clear else 1
-            if times > 1:
+                stands_for = self.reuse_clear_plans if clear else 1
+            if stands_for > 1:
                 if len(self._reuse) > 4096:
                     self._reuse.clear()
-                self._reuse[reuse] = [times - 1, d]
+                self._reuse[reuse] = [stands_for - 1, d]
         self.last_decision = d
         return d.budget
 
