@@ -67,8 +67,6 @@ def core_process_main(config, cmd_conn, evt_conn, log_level: int, setup=None) ->
 class ProcessCore:
     """The server's handle on an engine process (the same interface as ThreadCore)."""
 
-    engine = None  # the LLMEngine lives in the child
-
     def __init__(self, config, log_level: int | None = None, setup=None):
         """Start the engine process for `config` and wait until it has loaded. `setup`: a
         picklable callable the child applies to its LLMEngine before serving (benchmarks:
