@@ -152,12 +152,13 @@ class SpecDecoder:
             # price the drafter this step runs (argmax only when every row is greedy: about
             # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size
             greedy = bool(host.get("all_greedy"))
-            changed = self.cost.use_greedy_drafts(greedy)
+            priced = self.cost.use_greedy_drafts(greedy)
             self.fixed_costs = self._fixed_by_mode[greedy]  # (and the fixed terms of the mode)
-            if self._online_cost:
-                changed |= self.fixed_costs.apply(self.cost, n)
-            if changed and self.planner is not None:
-                self.planner.invalidate_tables()  # device tables embed both
+            moved = self._online_cost and self.fixed_costs.apply(self.cost, n)
+            if (priced or moved) and self.planner is not None:
+                # device tables embed both; a standing plan (a few plans at most) outlives
+                # the fixed term's small moves, not a change of the drafter's price
+                self.planner.invalidate_tables(keep_plans=not priced)
         budget = None
         if self._policy == "lagged":
             t0 = time.perf_counter()

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 POLICIES = ("lagged", "early_stop", "threshold", "fixed")
 REUSE_CLEAR_PLANS = 4  # the engine's Planner(reuse_clear_plans=...): see Planner.__init__
-REUSE_TRIMMED_PLANS = 4  # ... and Planner(reuse_trimmed_plans=...)
+REUSE_TRIMMED_PLANS = 8  # ... and Planner(reuse_trimmed_plans=...): the drafting decision's
+# cadence (drafting._DECIDE_EVERY), whose steps read the confidences anyway
 
 
 @dataclass
@@ -265,7 +266,8 @@ class Planner:
         # its budget sums a whole batch's survivals, which move little from one step to the
         # next, while the search costs ~130 us of host time per step (2-core development
         # machine, 32 rows; ~250 us on the H200's host: 2.8% of an 8B step at c = 32). The
-        # device still allocates the reused budget over the live confidences.
+        # device still allocates the reused budget over the live confidences. A new batch
+        # shape (a request finished or arrived) is searched at once: the key holds it.
         self.reuse_clear_plans = reuse_clear_plans
         self.reuse_trimmed_plans = reuse_trimmed_plans
         # (shape, penalty) -> [plans it still stands for, its decision]
@@ -357,11 +359,15 @@ class Planner:
         t0, t_all = self.cost.add_fixed(ends[0]), self.cost.add_fixed(ends[1])
         return t_all <= (t0 + penalty_ms) * (1.0 + self.min_predicted_gain)
 
-    def invalidate_tables(self) -> None:
-        """Drop cached step-time tables (after the cost model changed)."""
+    def invalidate_tables(self, keep_plans: bool = False) -> None:
+        """Drop what embeds the fixed term or the drafter's pricing (after either changed):
+        the device step-time tables and, unless `keep_plans`, the standing plans. The shape
+        contexts stay: they hold only the variable part and are keyed by the drafter's
+        pricing. (The online fixed term moves on a fifth to a third of the steps; dropping
+        contexts and standing plans each time searched again about twice as often.)"""
         self._tables.clear()
-        self._contexts.clear()
-        self._reuse.clear()
+        if not keep_plans:
+            self._reuse.clear()
 
     def _table(self, num_tokens: int, num_reqs: int, device) -> torch.Tensor:
         key = (num_tokens, num_reqs, str(device))

@@ -513,3 +513,28 @@ def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     assert len(reads) == 4
     p.invalidate_tables()
     assert p.plan_cpu(stale(sure), caps, 0, 2) == 6 and len(reads) == 5
+
+
+def test_a_fixed_term_move_keeps_standing_plans_and_shape_contexts():
+    """The online fixed term moves on many steps: the planner's host contexts (the variable
+    step times, fixed-free) and its standing plans survive invalidate_tables(keep_plans=True),
+    and the search after the stand sees the new term; without keep_plans (the drafter's price
+    changed) the next plan searches at once."""
+    steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_trimmed_plans=4)
+    caps, weak = np.array([3, 3]), np.full((2, 3), 0.3)
+    reads = []
+    stale = _counting_reads(reads)
+    first = p.plan_cpu(stale(weak), caps, 0, 2)
+    contexts = dict(p._contexts)
+    steep.fixed_overhead_ms = 20.0  # a fixed term under which a new search trims less
+    moved = plan_budget_lagged(weak, caps, 0, 2, steep)
+    assert moved.trimmed and moved.budget != first
+    p.invalidate_tables(keep_plans=True)
+    for _ in range(3):  # the plan stands for the 3 plans after its search, unread
+        assert p.plan_cpu(stale(weak), caps, 0, 2) == first
+    assert len(reads) == 1 and p._contexts == contexts  # (the same arrays: nothing rebuilt)
+    assert p.plan_cpu(stale(weak), caps, 0, 2) == moved.budget and len(reads) == 2
+    steep.fixed_overhead_ms = 0.0
+    p.invalidate_tables()
+    assert p.plan_cpu(stale(weak), caps, 0, 2) == first and len(reads) == 3
