@@ -24,7 +24,8 @@ from dspark.spec.confidence import confidence_source, draft_confidences
 from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
-from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner, decode_rate
+from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner
+from dspark.spec.rates import decode_rate
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy

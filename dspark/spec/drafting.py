@@ -48,7 +48,7 @@ import time
 import numpy as np
 
 from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.planner import decode_rates, prefix_survival
+from dspark.spec.rates import decode_rates, prefix_survival
 
 logger = logging.getLogger(__name__)
 

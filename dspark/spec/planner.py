@@ -188,44 +188,6 @@ def best_budget(surv: np.ndarray, cand: np.ndarray, times: np.ndarray, num_sampl
                           theta_full=theta_full, predicted_gain=gain, trimmed=trimmed)
 
 
-def decode_rates(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
-                 plain_fixed_ms: float | None) -> tuple[float, float]:
-    """Tokens per ms of a decode-only step of `num_reqs` sampling requests: (plain decoding,
-    the best verify length l = 1..K with every request verifying l drafts of the given mean
-    prefix survival, its drafter paid; -inf without a survival estimate). Plain decoding
-    costs `plain_fixed_ms` (the measured fixed cost of steps without speculation; the
-    table's fixed term until one is measured) + the forward of one token per request."""
-    fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
-    plain = num_reqs / max(fixed + cost.verify_lookup(num_reqs), 1e-6)
-    if survival is None or survival.size == 0:
-        return plain, float("-inf")
-    lengths = np.arange(1, survival.size + 1)
-    times = cost.step_time_lookup(num_reqs * (1 + lengths), num_reqs)
-    return plain, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max())
-
-
-def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
-                plain_fixed_ms: float | None) -> float:
-    """Tokens per ms of the best decode-only step (decode_rates): what a draft's marginal
-    time in a step with prefill chunks must beat."""
-    return max(decode_rates(cost, survival, num_reqs, plain_fixed_ms))
-
-
-def prefix_survival(stale: np.ndarray, prior_conf: float = 1.0) -> np.ndarray:
-    """[R, K] prefix survival of each row's drafts from stale conditional confidences
-    (unknown ones: the prior)."""
-    conf = np.clip(np.where(np.isnan(stale), prior_conf, stale), 0.0, 1.0)
-    return np.cumprod(conf, axis=1)
-
-
-def mean_survival(stale: np.ndarray | None, prior_conf: float = 1.0) -> np.ndarray | None:
-    """Mean prefix survival per position over rows of stale conditional confidences (unknown
-    ones: the prior)."""
-    if stale is None or stale.size == 0:
-        return None
-    return prefix_survival(stale, prior_conf).mean(axis=0)
-
-
 class Planner:
     """Policy facade used by the engine.
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from dspark.spec.cost_model import CostModel
-from dspark.spec.planner import Planner, decode_rate, mean_survival
+from dspark.spec.planner import Planner
+from dspark.spec.rates import decode_rate, mean_survival
 
 
 @dataclass

@@ -147,7 +147,7 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
 
     from dspark.spec.drafting import DraftingDecision, predicted_accepted
     from dspark.spec.online_cost import FixedCosts
-    from dspark.spec.planner import prefix_survival
+    from dspark.spec.rates import prefix_survival
 
     # plain decoding 1 token per ms; drafting costs another ms: it pays above ~1.1 survivals
     cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,

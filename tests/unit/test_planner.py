@@ -454,7 +454,7 @@ def test_steps_with_prefill_value_drafts_at_the_decoding_rate():
     """With a prefill chunk in the step, its time is spent anyway: a draft is verified only if
     its survival per marginal ms beats the rate decoding would earn. The step's own ratio
     verifies everything (its prefill makes the step's tokens/ms tiny)."""
-    from dspark.spec.planner import decode_rate
+    from dspark.spec.rates import decode_rate
 
     # 10 ms + 0.02 ms per token; 4 requests x 4 drafts; a 4000-token prefill chunk
     cost = CostModel.from_measurements([1, 10_000], [10.02, 210.0])
