@@ -105,8 +105,13 @@ class HostStep:
     floats: np.ndarray  # [3, R] float32: temperature, top_p, min_p
     draft_fill: np.ndarray  # [3, n] int64: stream index, draft-buffer row, slot of each draft
 
+    def __post_init__(self) -> None:
+        # meta as Python ints, read by name many times a step (the planner, the graph key);
+        # meta is never written after packing
+        self._scalars = self.meta.tolist()
+
     def get(self, name: str) -> int:
-        return int(self.meta[_META[name]])
+        return self._scalars[_META[name]]
 
     def int_sizes(self) -> list[int]:
         return _int_sizes(self.meta)

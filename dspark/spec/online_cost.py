@@ -105,6 +105,9 @@ class FixedCosts:
             return None
         b = size_bucket(num_reqs)
         windows = self._recent[kind]
+        own = windows.get(b)
+        if own is not None and len(own) >= MIN_SAMPLES:  # (every step asks: the common case)
+            return table[b]
         candidates = [k for k in table if len(windows[k]) >= MIN_SAMPLES] or table
         return table[min(candidates, key=lambda k: (abs(k - b), k))]
 

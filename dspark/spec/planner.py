@@ -248,15 +248,16 @@ class Planner:
         capacities' sum when the caller knows it (the packed step's)."""
         if self.policy != "lagged":
             return None
-        caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
+        caps = capacities  # (the engine's: a packed step's int64 row, used as is)
+        if not (isinstance(caps, np.ndarray) and caps.ndim == 1 and caps.dtype == np.int64):
+            caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
         if num_sampling_reqs is None:
             num_sampling_reqs = caps.size
         if total is None:
             total = int(caps.sum())
-        cand, variable, ends = self._context(caps.size, num_other_tokens, total)
+        cand, variable, ends, settled = self._context(caps.size, num_other_tokens, total)
         if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
-            self.last_decision = BudgetDecision(total, total, float("nan"), float("nan"), 0.0,
-                                                False)  # fmt: skip
+            self.last_decision = settled
             return total
         reuse = (caps.size, num_other_tokens, total, trim_penalty_ms, num_sampling_reqs)
         standing = self._reuse.get(reuse) if opportunity_rate is None else None
@@ -290,9 +291,9 @@ class Planner:
     def _context(self, num_reqs: int, other: int, total: int) -> tuple:
         """What a batch shape's budget search needs besides the confidences: the candidate
         budgets, their step times without the fixed term (which is learned online, so added
-        per step), and those of n = 0 and n = total (the bound). Cached per shape: at steady
-        state the same shape repeats step after step, and building it costs more than the
-        search itself."""
+        per step), those of n = 0 and n = total (the bound), and the bound's decision. Cached
+        per shape: at steady state the same shape repeats step after step, and building it
+        costs more than the search itself."""
         key = (num_reqs, other, total, self.cost.greedy_drafts)
         ctx = self._contexts.get(key)
         if ctx is None:
@@ -303,9 +304,11 @@ class Planner:
             variable = self.cost.variable_lookup(num_reqs + other + cand, num_reqs)
             ends = tuple(map(float, self.cost.variable_lookup(
                 np.array([num_reqs + other, num_reqs + other + total]), num_reqs)))
+            # the decision of a plan the bound settles (verify-all; read, never written)
+            settled = BudgetDecision(total, total, float("nan"), float("nan"), 0.0, False)
             if len(self._contexts) > 4096:
                 self._contexts.clear()
-            ctx = self._contexts[key] = (cand, variable, ends)
+            ctx = self._contexts[key] = (cand, variable, ends, settled)
         return ctx
 
     def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,
