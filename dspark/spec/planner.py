@@ -328,8 +328,8 @@ class Planner:
         """Drop what embeds the fixed term or the drafter's pricing (after either changed):
         the device step-time tables and, unless `keep_plans`, the standing plans. The shape
         contexts stay: they hold only the variable part and are keyed by the drafter's
-        pricing. (The online fixed term moves on a fifth to a third of the steps; dropping
-        contexts and standing plans each time searched again about twice as often.)"""
+        pricing. (The online fixed term moved on 15-40% of the steps in development-machine
+        runs; dropping contexts and standing plans each time rebuilt and searched that often.)"""
         self._tables.clear()
         if not keep_plans:
             self._reuse.clear()
