@@ -161,7 +161,9 @@ class ModelRunner:
                     logger.exception("whole-step CUDA graph capture failed: not using them")
                     self.step_graphs = None
         if self.spec is not None and self.spec.needs_cost_model:
-            self._install_cost_model()
+            from dspark.spec.profiler import install_cost_model
+
+            install_cost_model(self)
         logger.info(
             "KV cache: %d blocks x %d tokens (%s, %s backend)",
             self.num_blocks, self.block_size, device, self.backend.name,
@@ -173,40 +175,6 @@ class ModelRunner:
         lookahead draft slots."""
         k = self.spec.k if self.spec is not None else 0
         return -(-(self.max_model_len + k + 1) // self.block_size) + 1
-
-    def _install_cost_model(self) -> None:
-        from dspark.spec.cost_model import CostModel
-        from dspark.spec.profiler import profile_cost_model
-
-        path = self.config.speculative_config.cost_table_path
-        if path:
-            cost = CostModel.from_json(path) if self.tp.rank == 0 else None
-            status = f"loaded from {path}"
-            prov = cost.provenance if cost is not None else {}
-            if prov.get("device_name") and self.device.type == "cuda":
-                name = torch.cuda.get_device_name(self.device)
-                if prov["device_name"] != name:
-                    logger.warning("cost table %s was measured on %s, not %s", path,
-                                   prov["device_name"], name)  # fmt: skip
-        else:
-            on_gpu = self.device.type == "cuda"
-            # every rank runs the profile's forwards (collectives); rank 0's timings count
-            cost = profile_cost_model(
-                self, context_len=256 if on_gpu else 32, repeats=5 if on_gpu else 3,
-                warmup=2 if on_gpu else 1,
-            )  # fmt: skip
-            status = "profiled at start-up"
-        if self.world is not None:  # rank 0's table, so that every rank plans alike
-            cost = CostModel.from_dict(self.world.broadcast_object(
-                cost.to_dict() if self.tp.rank == 0 else None))  # fmt: skip
-        problem = cost.describe_problem()
-        if problem:
-            status = f"UNUSABLE ({problem}): every draft is verified"
-            if self.tp.rank == 0:
-                logger.warning("adaptive verification: %s", status)
-        else:
-            logger.info("adaptive verification cost table %s", status)
-        self.spec.set_cost_model(cost, status)
 
     # -- memory ---------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

@@ -1,4 +1,5 @@
-"""Profile the step-cost table on the running model (engine start-up and `dspark profile`).
+"""Profile the step-cost table on the running model (engine start-up and `dspark profile`), and
+install a loaded or profiled table into the engine's spec decoder (`install_cost_model`).
 
 Times the target forward (+ LM head over every token, as a verify step computes logits for
 every verified position) against the number of tokens in a ragged batch, and the drafter
@@ -191,3 +192,39 @@ def median_of_repeats(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
         barrier()
         times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
+
+
+def install_cost_model(runner) -> None:
+    """Give the runner's spec decoder its cost table: loaded from `cost_table_path` (with a
+    warning when it was measured on another GPU) or profiled on this model now; under tensor
+    parallelism rank 0's table, so that every rank plans alike. An unusable table (no verify
+    points, one, or flat) is installed with a status saying every draft will be verified."""
+    path = runner.config.speculative_config.cost_table_path
+    if path:
+        cost = CostModel.from_json(path) if runner.tp.rank == 0 else None
+        status = f"loaded from {path}"
+        prov = cost.provenance if cost is not None else {}
+        if prov.get("device_name") and runner.device.type == "cuda":
+            name = torch.cuda.get_device_name(runner.device)
+            if prov["device_name"] != name:
+                logger.warning("cost table %s was measured on %s, not %s", path,
+                               prov["device_name"], name)  # fmt: skip
+    else:
+        on_gpu = runner.device.type == "cuda"
+        # every rank runs the profile's forwards (collectives); rank 0's timings count
+        cost = profile_cost_model(
+            runner, context_len=256 if on_gpu else 32, repeats=5 if on_gpu else 3,
+            warmup=2 if on_gpu else 1,
+        )  # fmt: skip
+        status = "profiled at start-up"
+    if runner.world is not None:  # rank 0's table, so that every rank plans alike
+        cost = CostModel.from_dict(runner.world.broadcast_object(
+            cost.to_dict() if runner.tp.rank == 0 else None))  # fmt: skip
+    problem = cost.describe_problem()
+    if problem:
+        status = f"UNUSABLE ({problem}): every draft is verified"
+        if runner.tp.rank == 0:
+            logger.warning("adaptive verification: %s", status)
+    else:
+        logger.info("adaptive verification cost table %s", status)
+    runner.spec.set_cost_model(cost, status)
