@@ -61,8 +61,10 @@ def _fail_accept(stream: RequestStream, exc: BaseException) -> None:
 
 class RequestStream:
     """Outputs of one request. Outputs are cumulative, so a slow reader only sees the latest
-    one (intermediate outputs are coalesced); `get()` raises EngineDeadError if the engine
-    dies and StopAsyncIteration semantics apply after the finished output."""
+    one (intermediate outputs are coalesced; from an engine process they come as the
+    request's DeltaStream, built into a RequestOutput only when read); `get()` raises
+    EngineDeadError if the engine dies and StopAsyncIteration semantics apply after the
+    finished output."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
@@ -82,6 +84,8 @@ class RequestStream:
                 self.finished = True
                 raise item
         out = items[-1]
+        if not isinstance(out, RequestOutput):  # a DeltaStream (engine process): built now,
+            out = out.build()  # once for every step that came in since the last read
         self.finished = out.finished
         return out
 
@@ -293,7 +297,7 @@ class AsyncLLMEngine:
         by_loop: dict = {}
         for event in events:
             kind = event[0]
-            if kind == "outputs":
+            if kind == "outputs":  # RequestOutputs (engine thread) or DeltaStreams (process)
                 for out in event[1]:
                     stream = self._streams.get(out.request_id)
                     if stream is None:  # aborted

@@ -9,6 +9,8 @@ is held back until the next token completes it.
 
 from __future__ import annotations
 
+import functools
+
 from dspark.engine.request import Request
 
 _REPLACEMENT = "\ufffd"
@@ -18,10 +20,16 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._decode_batch = _batch_decoder(tokenizer)
+        # the Rust decoder's own `decode` where it gives the same text: ~2 us a call against
+        # ~5 us through the tokenizer's Python wrapper (one request's windows: two calls)
+        self._decode_one = (None if self._decode_batch is None else functools.partial(
+            tokenizer.backend_tokenizer.decode, skip_special_tokens=True))  # fmt: skip
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None or not token_ids:
             return ""
+        if self._decode_one is not None:
+            return self._decode_one(token_ids)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @staticmethod

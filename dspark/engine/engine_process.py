@@ -139,8 +139,8 @@ class ProcessCore:
         for i, event in enumerate(events):
             if event[0] == "snapshot":
                 self._counts = (event[1]["num_waiting"], event[1]["num_running"])
-            elif event[0] == "deltas":
-                events[i] = ("outputs", self._decoder.decode_many(event[1]))
+            elif event[0] == "deltas":  # applied here, built when read (DeltaStream)
+                events[i] = ("outputs", self._decoder.apply_many(event[1]))
         if events:
             on_events(events)
 

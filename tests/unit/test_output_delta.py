@@ -101,3 +101,38 @@ def test_what_crosses_the_pipe_does_not_grow_with_the_output(llm):
     assert len(sizes) == 120
     assert full_last > 10 * delta_last, sizes[-2]
     assert max(d for _, d in sizes[1:-1]) < 2 * min(d for _, d in sizes[1:-1]) + 64
+
+
+def test_a_stream_read_late_builds_one_output_for_many_steps(llm):
+    """The server's reader thread only applies deltas; a stream is handed over once until
+    its output is built (RequestStream.get), and again when it finishes. Built after several
+    steps, the output equals the engine's output of the newest step in every field but the
+    text made here, which is a prefix of the engine's (one detokenization for all those
+    steps: a window ending in an incomplete character holds back all its text, where the
+    engine's one-token windows held back only that character), and equal once finished."""
+    text = llm.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=24,
+                                                      ignore_eos=True))[0].outputs[0].text
+    requests = [
+        ("plain", "def f(x):", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+        ("stop", "def f(x):", SamplingParams(temperature=0.0, max_tokens=24, stop=[text[6:9]])),
+        ("hot", "for i in", SamplingParams(temperature=1.0, seed=5, max_tokens=20)),
+    ]  # fmt: skip
+    enc, dec = DeltaEncoder(), DeltaDecoder(llm.engine.tokenizer)
+    latest, handed, builds = {}, {}, 0
+    for step, (want, delta) in enumerate(_stream(llm, enc, requests)):
+        for s in dec.apply_many([pickle.loads(pickle.dumps(delta))]):
+            handed[s.request_id] = handed.get(s.request_id, 0) + 1
+            latest[s.request_id] = s
+        rid = want.request_id
+        if want.finished or step % 5 == 4:  # read now and then: one build for many deltas
+            got = latest[rid].build()
+            builds += 1
+            made, wanted = got.outputs[0], want.outputs[0]
+            assert wanted.text.startswith(made.text), rid
+            if want.finished or rid == "stop":  # (the engine made the stop request's text)
+                assert made.text == wanted.text, rid
+            made.text = wanted.text
+            assert got == want, rid
+    # handed over once per build (and on finishing), not once per step
+    assert sum(handed.values()) <= builds + len(requests) < step
+    assert dec._state == {}
