@@ -54,6 +54,13 @@ class Detokenizer:
         prefix, full = self._windows(req)
         return self._advance(req, self.decode(prefix), self.decode(full))
 
+    def flush(self, req: Request) -> None:
+        """At the finish: the whole output's text where a tail was held back (e.g. an
+        incomplete character at the very end)."""
+        n = req.num_prompt_tokens
+        if req.read_offset < len(req.token_ids) - n:
+            req.output_text = self.decode(req.token_ids[n:])
+
     def update_many(self, reqs: list[Request]) -> None:
         """`update` for every request of a step with one call into the tokenizer's Rust
         decoder (per-request `decode` calls cost microseconds each in Python)."""

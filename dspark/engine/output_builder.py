@@ -32,9 +32,8 @@ def settle_text(req: Request, detokenizer: Detokenizer, stream: bool,
     if needs_text(req, stream):
         if not detokenized:
             detokenizer.update(req)
-        if req.status.finished and req.read_offset < req.num_output_tokens:
-            # flush a held-back tail (e.g. an incomplete character at the very end)
-            req.output_text = detokenizer.decode(req.output_token_ids)
+        if req.status.finished:
+            detokenizer.flush(req)
 
 
 def output_fields(req: Request, with_spec: bool) -> tuple:

@@ -147,8 +147,8 @@ class DeltaStream:
             t = self.text
             t.token_ids = ids
             self.detokenizer.update(t)
-            if finished and t.read_offset < len(ids):  # (as settle_text: the held-back tail)
-                t.output_text = self.detokenizer.decode(ids)
+            if finished:
+                self.detokenizer.flush(t)
             text = t.output_text
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,

@@ -90,3 +90,15 @@ def test_batched_update_equals_per_request_update(tiny_qwen):
                 b.output_text, b.prefix_offset, b.read_offset)
     for a, s in zip(one, seqs[:3]):
         assert a.output_text == tok.decode(s, skip_special_tokens=True)
+
+
+def test_flush_gives_the_held_back_tail_at_the_finish(tiny_qwen):
+    """An output that ends inside a multi-byte character: incremental updates hold that
+    tail back; flush (at the finish) makes the text the decode of every output token."""
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    ids = tok.encode("ab 你好", add_special_tokens=False)
+    cut = next(n for n in range(len(ids), 0, -1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    req, _ = _feed(tok, ids[:cut])
+    assert req.output_text != tok.decode(ids[:cut])  # held back
+    Detokenizer(tok).flush(req)
+    assert req.output_text == tok.decode(ids[:cut])
