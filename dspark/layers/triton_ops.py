@@ -112,18 +112,19 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _norm_rope_heads(
-    in_ptr, out_ptr, w_ptr, tok, h0, stride_t, stride_h, cos, sin, eps, inv_d,
+def norm_rope_heads(
+    in_ptr, out_ptr, w_ptr, h0, stride_h, stride_oh, cos, sin, eps, inv_d,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Heads [h0, h0 + BLOCK_H) of token `tok`: optional RMSNorm, then rotate-half RoPE."""
+    """Heads [h0, h0 + BLOCK_H) of one token (in_ptr / out_ptr: its first head, heads
+    stride_h / stride_oh apart): optional RMSNorm, then rotate-half RoPE."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_HALF)
     j_ok = offs_j < HALF
     mask = (offs_h < NUM_HEADS)[:, None] & j_ok[None, :]
     dt: tl.constexpr = in_ptr.dtype.element_ty
-    ptrs = in_ptr + tok.to(tl.int64) * stride_t + (offs_h * stride_h)[:, None] + offs_j[None, :]
+    ptrs = in_ptr + (offs_h * stride_h)[:, None] + offs_j[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)  # first half of each head
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second half
     if HAS_NORM:
@@ -136,10 +137,20 @@ def _norm_rope_heads(
     # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1): each product rounded
     o1 = _round(x1 * cos, dt) - _round(x2 * sin, dt)
     o2 = _round(x2 * cos, dt) + _round(x1 * sin, dt)
-    rows = tok.to(tl.int64) * NUM_HEADS + offs_h
-    out = out_ptr + (rows * (2 * HALF))[:, None] + offs_j[None, :]
+    out = out_ptr + (offs_h * stride_oh)[:, None] + offs_j[None, :]
     tl.store(out, _cast(o1, dt), mask=mask)
     tl.store(out + HALF, _cast(o2, dt), mask=mask)
+
+
+@triton.jit
+def rope_cos_sin(pos_ptr, inv_freq_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 DT: tl.constexpr):
+    """cos, sin [1, BLOCK_HALF] of one position, rounded to DT as torch's cos_sin stores them."""
+    offs_j = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + offs_j, mask=offs_j < HALF, other=0.0)
+    freqs = tl.load(pos_ptr).to(tl.float32) * inv_freq  # positions.float() * inv_freq
+    cos, sin = _cos_sin(freqs)
+    return _round(cos, DT)[None, :], _round(sin, DT)[None, :]
 
 
 @triton.jit(**unspecialized("pos_ptr"))  # positions: a view into the packed step buffer
@@ -151,25 +162,22 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0)
+    row = tok.to(tl.int64)
     hb = tl.program_id(1)
-    offs_j = tl.arange(0, BLOCK_HALF)
-    dt: tl.constexpr = q_ptr.dtype.element_ty
-    inv_freq = tl.load(inv_freq_ptr + offs_j, mask=offs_j < HALF, other=0.0)
-    freqs = tl.load(pos_ptr + tok).to(tl.float32) * inv_freq  # positions.float() * inv_freq
-    cos, sin = _cos_sin(freqs)
-    cos = _round(cos, dt)[None, :]
-    sin = _round(sin, dt)[None, :]
+    cos, sin = rope_cos_sin(pos_ptr + tok, inv_freq_ptr, HALF, BLOCK_HALF,
+                            q_ptr.dtype.element_ty)  # fmt: skip
     if hb < Q_BLOCKS:
-        _norm_rope_heads(
-            q_ptr, qo_ptr, qw_ptr, tok, hb * BLOCK_H, stride_qt, stride_qh, cos, sin, eps_q,
-            inv_d, NUM_HEADS=NUM_Q, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF,
-            HAS_NORM=HAS_NORM,
+        norm_rope_heads(
+            q_ptr + row * stride_qt, qo_ptr + row * (NUM_Q * 2 * HALF), qw_ptr, hb * BLOCK_H,
+            stride_qh, 2 * HALF, cos, sin, eps_q, inv_d, NUM_HEADS=NUM_Q, HALF=HALF,
+            BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
         )
     else:
-        _norm_rope_heads(
-            k_ptr, ko_ptr, kw_ptr, tok, (hb - Q_BLOCKS) * BLOCK_H, stride_kt, stride_kh, cos,
-            sin, eps_k, inv_d, NUM_HEADS=NUM_K, HALF=HALF, BLOCK_H=BLOCK_H,
-            BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
+        norm_rope_heads(
+            k_ptr + row * stride_kt, ko_ptr + row * (NUM_K * 2 * HALF), kw_ptr,
+            (hb - Q_BLOCKS) * BLOCK_H, stride_kh, 2 * HALF, cos, sin, eps_k, inv_d,
+            NUM_HEADS=NUM_K, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF,
+            HAS_NORM=HAS_NORM,
         )
 
 

@@ -41,6 +41,7 @@ from dspark.models.drafter_config import (  # noqa: F401 (re-exported for caller
     DrafterConfig,
     check_compatible,
 )
+from dspark.models.drafter_context import LayerKVCaches, fused_context_for
 from dspark.models.markov_heads import ConfidenceHead, build_markov_head
 from dspark.models.qwen3 import MLP, CausalLM
 from dspark.sampling import rng
@@ -145,6 +146,7 @@ class DSparkDrafter(nn.Module):
         self.markov_head = build_markov_head(
             cfg.markov_head_type or "vanilla", cfg.vocab_size, d, cfg.markov_rank
         )
+        self._fused_context = None  # built on the first fused context write
         self.confidence_head = None
         if cfg.enable_confidence_head:
             extra = cfg.markov_rank if cfg.confidence_head_with_markov else 0
@@ -176,7 +178,7 @@ class DSparkDrafter(nn.Module):
         dtype = next(self.parameters()).dtype
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
-        return [(k[i], v[i]) for i in range(self.num_layers)]
+        return LayerKVCaches(k, v)
 
     def write_context(
         self,
@@ -187,6 +189,10 @@ class DSparkDrafter(nn.Module):
         backend: AttentionBackend,
     ) -> None:
         h_ctx = self.hidden_norm(self.fc(aux_hidden))  # [T, d]
+        fused = fused_context_for(self, h_ctx, kv_caches)
+        if fused is not None:  # every layer in one GEMM and one kernel (drafter_context.py)
+            fused.write(h_ctx, positions, slot_mapping, kv_caches, self.rotary.inv_freq.float())
+            return
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             k, v = layer.self_attn.context_kv(h_ctx, positions, self.rotary)
             backend.write_kv(k, v, k_cache, v_cache, slot_mapping)
