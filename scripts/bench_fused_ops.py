@@ -5,7 +5,8 @@ RMSNorm with the residual add, SiLU(gate) * up. Each op (and the whole set) is c
 CUDA graph of `LAYERS` repetitions (one decode step's worth), timed with
 `triton.testing.do_bench` (median) and reported per layer; plus the CUDA kernels one layer
 launches (torch profiler) and the share of output elements that are bitwise identical between
-the two paths.
+the two paths. Then the once-per-step work that fused kernels replaced (the drafter's context
+write, the lagged policy's allocation), before and after.
 
     python scripts/bench_fused_ops.py [--tokens 1 256] [--dtype bfloat16]
 """
@@ -27,6 +28,7 @@ from dspark.models.config import ModelConfig  # noqa: E402
 from dspark.models.qwen3 import MLP  # noqa: E402
 
 LAYERS = 36
+DEV = "cuda"  # (build_step_ops: a CPU smoke test sets "cpu" with the interpreter)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 4096, 32, 8, 128, 12288, 1e-6
 
 
@@ -83,6 +85,60 @@ def build(num_tokens: int, dtype: torch.dtype):
     return ops
 
 
+def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
+    """Once-per-step work as (before, after) pairs: the DSpark drafter's context write for the
+    8B shape's drafter (5 layers; before: per layer a GEMM, k_norm, RoPE and KV write, after:
+    drafter_context.py) over `num_tokens` tokens, and the lagged policy's allocation of a
+    budget over `num_tokens` requests x 7 drafts (before: the torch sort, after: one launch)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_shape_dirs import QWEN3_8B, drafter_config
+
+    from dspark.attention.triton.kv_write import write_kv
+    from dspark.models.drafter_context import FusedContext, LayerKVCaches
+    from dspark.models.dspark_drafter import DrafterConfig, DrafterLayer
+    from dspark.spec.allocation import allocate_top_b
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_dict(dict(drafter_config(QWEN3_8B), dtype=str(dtype)[6:]))
+    torch.set_default_dtype(dtype)
+    try:
+        layers = [DrafterLayer(cfg).to(DEV) for _ in range(cfg.num_hidden_layers)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    rot = RotaryEmbedding(HEAD_DIM, {"rope_theta": 1_000_000.0}).to(DEV)
+    blocks = num_tokens // 16 + 2
+    shape = (len(layers), blocks, 16, KV_HEADS, HEAD_DIM)
+    caches = LayerKVCaches(torch.zeros(shape, device=DEV, dtype=dtype),
+                           torch.zeros(shape, device=DEV, dtype=dtype))  # fmt: skip
+    h = torch.randn(num_tokens, HIDDEN, device=DEV, dtype=dtype)
+    pos = torch.randint(0, 32768, (num_tokens,), device=DEV)
+    slots = torch.arange(num_tokens, device=DEV) + 16
+    fused = FusedContext(layers)
+
+    def per_layer():
+        for layer, (kc, vc) in zip(layers, caches, strict=True):
+            write_kv(*layer.self_attn.context_kv(h, pos, rot), kc, vc, slots)
+
+    conf = torch.rand(num_tokens, 7, device=DEV)
+    caps = torch.full((num_tokens,), 7, device=DEV)
+    budget = torch.tensor(num_tokens * 3, device=DEV)
+
+    def allocation(triton_on: bool):
+        def run():
+            triton_ops.ENABLED = triton_on
+            try:
+                return allocate_top_b(conf, caps, budget)
+            finally:
+                triton_ops.ENABLED = True
+        return run
+
+    return {
+        "drafter context write": (per_layer, lambda: fused.write(h, pos, slots, caches,
+                                                                 rot.inv_freq.float())),
+        f"allocation ({num_tokens} x 7)": (allocation(False), allocation(True)),
+    }  # fmt: skip
+
+
 def graph_us(fn, reps: int) -> float:
     fn()  # compile / warm up outside the capture
     torch.cuda.synchronize()
@@ -137,6 +193,13 @@ def main() -> None:
                   f"{100 * identical(out, ref):>9.4f}%")  # fmt: skip
         print(f"{'':>5} per step ({LAYERS} layers): {t_torch * LAYERS / 1e3:.3f} ms -> "
               f"{t_fused * LAYERS / 1e3:.3f} ms")  # fmt: skip
+    print("once per step (us per call; 'before' is the path each replaced):")
+    for num_tokens in args.tokens:
+        for name, (before, after) in build_step_ops(num_tokens, dtype).items():
+            t0, k0 = graph_us(before, 8), kernels_launched(before)
+            t1, k1 = graph_us(after, 8), kernels_launched(after)
+            print(f"{num_tokens:>5} {name:<24} {t0:>9.2f} {t1:>9.2f} {t0 / t1:>7.1f}x "
+                  f"{k0:>4}->{k1:<4}")  # fmt: skip
 
 
 if __name__ == "__main__":

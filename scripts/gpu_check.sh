@@ -4,6 +4,9 @@
 #   tests   CUDA tests: HF parity (fp32/bf16), speculative identity, graph replay, fused ops
 #   profile the example cost table (small bf16 target)        -> $OUT/cost_table_*.json
 #   bench   8B-shape forward latency and no-spec throughput vs HF generate
+#   fused   fused Triton kernels against the torch paths they replace (scripts/bench_fused_ops.py:
+#           a Qwen3-8B layer's elementwise ops; the drafter's context write; the allocation)
+#           -> $OUT/fused.log
 #   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
 #   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
 #           -> $OUT/step8b/profile_step.txt
@@ -62,11 +65,14 @@ if has tests; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     tests/kernels/test_attention_variants.py tests/kernels/test_draft_argmax.py \
-    tests/kernels/test_context_write.py \
+    tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \
     tests/unit/test_step_clock.py \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}
+fi
+if has fused; then
+  python3 scripts/bench_fused_ops.py 2>&1 | tee "$OUT/fused.log" | tail -20
 fi
 if has profile; then
   python3 scripts/profile_example.py --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from dspark.layers.norm import fused_ops
+
 
 def _survival_ranks(conf: torch.Tensor, capacities: torch.Tensor, drop_zero: bool = False):
     """Rank of every slot in the global order (-survival, position, request); invalid slots
@@ -45,6 +47,10 @@ def allocate_top_b(conf: torch.Tensor, capacities: torch.Tensor,
     num_reqs, k = conf.shape
     if num_reqs == 0 or k == 0:
         return torch.zeros(num_reqs, dtype=torch.int64, device=conf.device)
+    if fused_ops(conf) is not None:  # one Triton launch on CUDA (top_b_triton.py)
+        from dspark.spec import top_b_triton
+
+        return top_b_triton.allocate_top_b(conf, capacities, budget)
     ranks, valid, _ = _survival_ranks(conf, capacities)
     admitted = (ranks < budget) & valid
     return _lengths_from_admitted(admitted, num_reqs, k)
