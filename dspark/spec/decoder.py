@@ -21,7 +21,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import confidence_source, draft_confidences
-from dspark.spec.drafting import PROBE_ROWS, DraftingDecision
+from dspark.spec.drafting import DECIDE_MIN_S, PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner
@@ -85,7 +85,7 @@ class SpecDecoder:
         # draft skipping (lagged policy): whether this step proposes drafts for the next one
         self.drafting = DraftingDecision(self.k, sc.min_predicted_gain,
                                          sc.draft_skipping and self.tensor_parallel_size == 1,
-                                         sc.plain_probes)  # fmt: skip
+                                         sc.plain_probes, DECIDE_MIN_S)  # fmt: skip
         self.draft_enabled = True
         self.probing = False  # a draft probe while skipping: a few rows only (drafts_row)
         self.draft_graphs = None

@@ -53,6 +53,12 @@ from dspark.spec.rates import decode_rates, prefix_survival
 logger = logging.getLogger(__name__)
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter)
+# ... and, in the engine (SpecDecoder passes it), at least this long between routine ones: a
+# decision step plans for 0.26-0.38 ms on the H200's host against 0.02-0.03 ms for the others
+# (demo pair, c = 4, fifteenth session), which at 0.8 ms steps every 8 steps is ~5% of the
+# step time; at 8B scale 8 steps take longer than this anyway. Decisions on a probe's drafts,
+# after a plain probe or on a batch size that moved are never deferred.
+DECIDE_MIN_S = 0.02
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 PROBE_ROWS = 8  # ... for this many rows of the step
 # ... and twice as far apart after each probe whose verdict was plain decoding by twice the
@@ -81,7 +87,8 @@ FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py co
 
 class DraftingDecision:
     def __init__(self, k: int, min_predicted_gain: float, enabled: bool,
-                 plain_probes: bool = True):  # fmt: skip
+                 plain_probes: bool = True, min_interval_s: float = 0.0,
+                 clock=time.perf_counter):  # fmt: skip
         self.k = k
         self.min_predicted_gain = min_predicted_gain
         self.enabled = enabled  # draft skipping on (off: every step drafts)
@@ -95,6 +102,9 @@ class DraftingDecision:
         self._decided = False  # a verdict on real numbers has set the state
         self._numbers: tuple | None = None  # the last decision's rates and terms (for the log)
         self._since_decision, self._decided_reqs = 0, 0
+        self._min_interval_s, self._clock = min_interval_s, clock
+        self._decided_at = -math.inf  # clock() at the last decision
+        self._forced = False  # the next plan decides whatever the interval (see DECIDE_MIN_S)
         self._skipped = 0  # consecutive steps that skipped drafting
         self._probe_spacing = 1  # x _PROBE_EVERY between draft probes (see _PROBE_BACKOFF_MAX)
         self._after_probe = False  # the next decision is on a probe's drafts
@@ -113,7 +123,12 @@ class DraftingDecision:
         moved = abs(num_reqs - self._decided_reqs) * 4 > num_reqs
         if moved:
             self._probe_spacing = 1
-        return self._since_decision >= _DECIDE_EVERY or self.survival is None or moved
+        if moved or self._forced or self.survival is None:
+            return True
+        if self._since_decision < _DECIDE_EVERY:
+            return False
+        return (self._min_interval_s <= 0
+                or self._clock() - self._decided_at >= self._min_interval_s)  # fmt: skip
 
     def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
         """Fold the rows with drafts' stale confidences into the sampling mode's survival
@@ -201,6 +216,9 @@ class DraftingDecision:
                         self._log_flip(verdict, *self._numbers)
             self._decided = self._decided or self._numbers is not None
             self._since_decision, self._decided_reqs = 0, num_reqs
+            self._forced = False
+            if self._min_interval_s > 0:
+                self._decided_at = self._clock()
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
                 self._after_probe = False
                 wide = False
@@ -214,12 +232,12 @@ class DraftingDecision:
         if self._plain_probe_left > 0:
             self._plain_probe_left -= 1
             if self._plain_probe_left == 0:
-                self._since_decision = _DECIDE_EVERY  # decide again on the measured term
+                self._forced = True  # decide again on the measured term
             return False, False
         self._skipped = 0 if self.pays else self._skipped + 1
         probe = not self.pays and self._skipped % (_PROBE_EVERY * self._probe_spacing) == 0
         if probe:  # the next step verifies the probe's drafts: it decides on their survival
-            self._since_decision, self._after_probe = _DECIDE_EVERY, True
+            self._forced, self._after_probe = True, True
         return self.pays or probe, not self.pays
 
     def _pays(self, cost, fixed: FixedCosts, num_sampling: int) -> bool:

@@ -67,18 +67,22 @@ class BudgetDecision:
     trimmed: bool  # budget < max_budget
 
 
-def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> np.ndarray:
-    """Sorted-descending stale survivals of every slot < capacity (float64)."""
+def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
+                     total: int | None = None) -> np.ndarray:
+    """Sorted-descending stale survivals of every slot < capacity (float64). `total`: the
+    capacities' sum when the caller knows it (when it is R times the largest, every row has
+    that capacity: the usual case needs no mask)."""
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
     k = int(caps.max(initial=0))
-    s = None if stale_conf is None else np.asarray(stale_conf, dtype=np.float64)
+    full = total is not None and total == num_reqs * k
+    s = None if stale_conf is None else np.asarray(stale_conf)
     if s is not None and s.ndim == 2 and s.shape[0] >= num_reqs and s.shape[1] >= k:
         conf = s[:num_reqs, :k]  # every row known (hot path: every lagged step)
         if prior_conf == 1.0:  # fmin drops NaN: unknown -> 1.0, clipped in the same two calls
-            conf = np.fmin(conf, 1.0)
+            conf = np.fmin(conf, 1.0, dtype=np.float64)  # (a new float64 array)
         else:
-            conf = np.where(np.isnan(conf), prior_conf, conf)
+            conf = np.where(np.isnan(conf), prior_conf, conf).astype(np.float64)
             np.fmin(conf, 1.0, out=conf)
     else:  # rows or columns missing: the prior fills them
         conf = np.full((num_reqs, k), np.nan)
@@ -91,7 +95,7 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float) -> n
         np.fmin(conf, 1.0, out=conf)
     np.fmax(conf, 0.0, out=conf)
     surv = conf.cumprod(axis=1, out=conf)  # (methods: numpy's function wrappers cost µs)
-    flat = surv.reshape(-1) if num_reqs == 0 or caps.min() == k else surv[
+    flat = surv.reshape(-1) if full or num_reqs == 0 or caps.min() == k else surv[
         np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
     # descending: each row is already descending (a running product of values in [0, 1]), so
     # a stable (run-merging) sort of the negated values beats a quicksort (~30% at 256 x 7)
@@ -267,7 +271,7 @@ class Planner:
             return standing[1].budget
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
-        surv = _stale_survivals(stale_conf, caps, self.prior_conf)
+        surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)
         if survival_scale != 1.0:
             surv = np.minimum(surv * survival_scale, 1.0)
         times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's

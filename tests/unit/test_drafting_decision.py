@@ -388,3 +388,52 @@ def test_draft_probes_grow_sparser_while_plain_decoding_wins_widely():
     probes = run(8 * every)
     assert not d.pays and d._numbers[2] < d._numbers[1] * 1.1  # plain ahead, but not by 10%
     assert np.diff(probes).tolist() == [every] * (len(probes) - 1) and len(probes) >= 7
+
+
+def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
+    """In the engine routine decisions come every _DECIDE_EVERY plans and at least
+    DECIDE_MIN_S apart (small models' steps are short, a decision step's host work is not);
+    a changed batch size, a plain probe's end and a draft probe's verdict still decide at the
+    next plan whatever the clock says."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    now = [0.0]
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                  plain_probes=False, min_interval_s=0.02,
+                                  clock=lambda: now[0])  # fmt: skip
+    fixed = FixedCosts()
+    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])  # plain decoding wins
+
+    def plans(n: int, reqs: int = 16) -> list[bool]:  # which of n plans decide (1 ms apart)
+        out = []
+        for _ in range(n):
+            due = d.due(reqs)
+            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+            now[0] += 0.001
+            out.append(due)
+        return out
+
+    first = plans(1)
+    assert first == [True]  # (no decision yet at this batch size)
+    decided = plans(40)
+    # every 8 plans is not enough while the last decision is under 20 ms old
+    assert [i for i, x in enumerate(decided) if x] == [19, 39]
+    assert not d.pays  # off: every _PROBE_EVERY skipped steps one drafts for a few rows ...
+    d._skipped = drafting._PROBE_EVERY - 1
+    assert d.after_plan(False, cost, fixed, False, 16, 16, 0) == (True, True)
+    assert plans(1) == [True]  # ... and the next plan decides on its drafts at once
+    assert plans(1, reqs=40) == [True]  # a batch size that moved by a quarter: at once
+
+    unspaced = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                         plain_probes=False)  # fmt: skip
+    unspaced._survival[True] = unspaced.survival = d.survival
+    due = []
+    for _ in range(24):  # without the interval (the class's default): every 8 plans
+        due.append(unspaced.due(16))
+        unspaced.after_plan(due[-1], cost, fixed, False, 16, 16, 0)
+    assert [i for i, x in enumerate(due) if x] == [0, 8, 16]
