@@ -51,7 +51,10 @@ class FusedContext:
         self.num_layers = len(attn)
 
     def _versions(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in self._sources)
+        # inference tensors keep no version counter (and cannot be edited outside inference
+        # mode): their storage alone identifies them
+        return tuple((t.data_ptr(), -1 if t.is_inference() else t._version)
+                     for t in self._sources)  # fmt: skip
 
     def stale(self) -> bool:
         return self._versions() != self._stamp

@@ -138,6 +138,21 @@ def test_drafter_fused_context_write_equals_per_layer_path(tmp_path):
     torch.testing.assert_close(v[:, 1:], ref_v[:, 1:], rtol=1e-5, atol=1e-5)
 
 
+def test_fused_write_of_a_drafter_built_in_inference_mode(tmp_path):
+    """Inference tensors keep no version counter: the stacked copy is keyed on storage."""
+    with torch.inference_mode():
+        drafter = drafter_pair(tmp_path, num_layers=2)
+        aux, positions, slots = context_inputs(drafter, tokens=5)
+        k, v = filled_caches(2, drafter.num_kv_heads, drafter.head_dim, torch.float32)
+        ref_k, ref_v = per_layer_write(drafter, aux, positions, slots, k.clone(), v.clone())
+        with fused_path():
+            drafter.write_context(aux, positions, slots, LayerKVCaches(k, v), None)
+            drafter.write_context(aux, positions, slots, LayerKVCaches(k, v), None)
+    assert drafter._fused_context is not None
+    torch.testing.assert_close(k[:, 1:], ref_k[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v[:, 1:], ref_v[:, 1:], rtol=1e-5, atol=1e-5)
+
+
 def test_training_keeps_the_per_layer_path(tmp_path):
     drafter = drafter_pair(tmp_path, num_layers=2).requires_grad_(True)
     aux, positions, slots = context_inputs(drafter, tokens=4)
