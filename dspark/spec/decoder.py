@@ -360,15 +360,14 @@ class SpecDecoder:
         """What the online cost model needs of the step just launched, read at launch (with
         async scheduling it is observed after the next one is planned): its kind, the
         drafter's price and its sampling mode (greedy). None: not observed (no online
-        correction, or prefill chunks)."""
+        correction, prefill chunks, or a probe's drafts verified while drafting is off:
+        online_cost.py)."""
         if not self._online_cost or self._step_other > 0:
             return None
-        if not self.draft_enabled and self._no_drafts:
-            kind = "plain"
-        else:
-            kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
-        draft_ms = self.cost.draft_lookup(self._step_reqs) if self.draft_enabled else 0.0
-        return kind, draft_ms, self.fixed_costs.greedy
+        if not self.draft_enabled:
+            return ("plain", 0.0, self.fixed_costs.greedy) if self._no_drafts else None
+        kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
+        return kind, self.cost.draft_lookup(self._step_reqs), self.fixed_costs.greedy
 
     def take_prediction(self) -> tuple | None:
         """Read at launch: the step just planned decided on its rows' confidences; what they

@@ -17,6 +17,11 @@ took 2.5, and kept it until the next probe):
          measure it: drafting.py);
   eager  speculative steps on the eager path, when whole-step graphs exist: a trimmed plan
          pays its excess over `spec` (`trim_penalty_ms`).
+Steps that verify a draft probe's drafts while drafting is off are not observed: they carry
+the decision made on those drafts (a decision step planned for 0.26-0.38 ms on the H200's host
+against 0.02-0.03 ms for others, demo pair) and, drafting being off, they were the only
+speculative steps observed: the trained pair at one request learned 1.11 ms against 0.42-0.49
+at 2-15 and kept drafting off where fixed K beat no speculation by 20% (fifteenth session).
 Each kind is learned per sampling mode too (all rows greedy, or not: FixedCosts per mode).
 One shared term would make whichever kind is cheaper look dearer and the other cheaper; one
 term over all batch sizes learned at 64 requests where the table overstated steps (-2.3 ms)

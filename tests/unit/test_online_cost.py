@@ -126,6 +126,12 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
     assert spec.metrics()["acceptance_ratio"] == {"greedy": 1.0, "sampled": 1.0}
     spec._step_other = 5  # a step with a prefill chunk is not observed
     assert spec.step_tag() is None
+    # nor one that verifies a draft probe's drafts while drafting is off: it carries the
+    # decision on them, and would be the only speculative step observed in that state
+    spec._step_other, spec.draft_enabled, spec._no_drafts = 0, False, False
+    assert spec.step_tag() is None
+    spec.draft_enabled = True  # a drafting step that verifies: observed as speculative
+    assert spec.step_tag() == ("spec", cost.draft_lookup(reqs), True)
     # the decision uses the plain term for plain decoding: with plain steps made expensive,
     # drafting pays; with them cheap, it does not
     verify_base = cost.verify_lookup(reqs)
