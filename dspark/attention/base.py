@@ -54,6 +54,9 @@ class AttentionBackend:
     """
 
     name = "base"
+    # `attend` is implemented: a layer may write the step's K/V itself (the fused q/k-norm +
+    # RoPE kernel stores keys and values straight into the cache) and attend apart
+    attends_written_kv = False
 
     def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
         """Compile what a kernel-compiling backend would otherwise compile on first use in the
@@ -80,6 +83,11 @@ class AttentionBackend:
         md: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               md: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+        """`forward` with the step's K/V already in the cache (nothing written here)."""
         raise NotImplementedError
 
     def draft_forward(

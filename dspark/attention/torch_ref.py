@@ -42,6 +42,7 @@ def _attend(q, keys, values, mask, scale):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    attends_written_kv = True
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -49,6 +50,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, md: AttentionMetadata, scale):
         self.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        return self.attend(q, k_cache, v_cache, md, scale)
+
+    def attend(self, q, k_cache, v_cache, md: AttentionMetadata, scale):
         num_tokens = q.shape[0]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if num_tokens == 0 or md.num_reqs == 0:

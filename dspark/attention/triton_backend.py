@@ -21,6 +21,7 @@ def triton_interpreting() -> bool:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    attends_written_kv = True
 
     def __init__(self, max_splits: int = 16, min_split_len: int = 128) -> None:
         """max_splits / min_split_len bound flash-decoding's KV splits (1 disables them)."""
@@ -59,6 +60,9 @@ class TritonAttentionBackend(AttentionBackend):
         self, q, k, v, k_cache, v_cache, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:  # [T, H, D]
         self._write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        return self.attend(q, k_cache, v_cache, md, scale)
+
+    def attend(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(
             q, k_cache, v_cache, md, scale,
             max_splits=self.max_splits, min_chunk=self.min_split_len,

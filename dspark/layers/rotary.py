@@ -91,6 +91,26 @@ class RotaryEmbedding(nn.Module):
             )  # fmt: skip
         return self(positions, q_norm(q), k_norm(k))
 
+    def forward_to_cache(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor | None:
+        """norm_forward (or forward, without norms) with k and v stored straight into the
+        paged cache at slot_mapping, in one kernel; returns q. None: the fused kernel does
+        not take these tensors (the caller rotates and writes apart)."""
+        weights = () if q_norm is None else (q_norm.weight, k_norm.weight)
+        ops = self._fused(q, k, v, k_cache, v_cache, *weights)
+        if ops is None:
+            return None
+        if q_norm is None:
+            return ops.qk_norm_rope_to_cache(positions, q, k, v, self.inv_freq.float(),
+                                             slot_mapping, k_cache, v_cache)  # fmt: skip
+        return ops.qk_norm_rope_to_cache(
+            positions, q, k, v, self.inv_freq.float(), slot_mapping, k_cache, v_cache,
+            q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps,
+        )  # fmt: skip
+
     def apply_one(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ops = self._fused(x)
         if ops is not None:

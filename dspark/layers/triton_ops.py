@@ -153,19 +153,23 @@ def rope_cos_sin(pos_ptr, inv_freq_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.const
     return _round(cos, DT)[None, :], _round(sin, DT)[None, :]
 
 
-@triton.jit(**unspecialized("pos_ptr"))  # positions: a view into the packed step buffer
+@triton.jit(**unspecialized("pos_ptr", "slot_ptr"))  # views into the packed step buffer
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, eps_q, eps_k, inv_d,
+    v_ptr, stride_vt, stride_vh, slot_ptr, vo_ptr,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, Q_BLOCKS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, SENTINEL: tl.constexpr,
 ):
+    """TO_CACHE: k's heads go to the paged cache ko_ptr at the token's slot (slot s at
+    s * NUM_K * D, heads D apart), v's are copied to vo_ptr likewise, and a padding token
+    (SENTINEL or a negative slot) writes neither; else k goes to the dense ko_ptr."""
     tok = tl.program_id(0)
     row = tok.to(tl.int64)
     hb = tl.program_id(1)
-    cos, sin = rope_cos_sin(pos_ptr + tok, inv_freq_ptr, HALF, BLOCK_HALF,
-                            q_ptr.dtype.element_ty)  # fmt: skip
+    dt: tl.constexpr = q_ptr.dtype.element_ty
+    cos, sin = rope_cos_sin(pos_ptr + tok, inv_freq_ptr, HALF, BLOCK_HALF, dt)
     if hb < Q_BLOCKS:
         norm_rope_heads(
             q_ptr + row * stride_qt, qo_ptr + row * (NUM_Q * 2 * HALF), qw_ptr, hb * BLOCK_H,
@@ -173,12 +177,28 @@ def _qk_norm_rope_kernel(
             BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
         )
     else:
-        norm_rope_heads(
-            k_ptr + row * stride_kt, ko_ptr + row * (NUM_K * 2 * HALF), kw_ptr,
-            (hb - Q_BLOCKS) * BLOCK_H, stride_kh, 2 * HALF, cos, sin, eps_k, inv_d,
-            NUM_HEADS=NUM_K, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF,
-            HAS_NORM=HAS_NORM,
-        )
+        h0 = (hb - Q_BLOCKS) * BLOCK_H
+        if TO_CACHE:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if (slot != SENTINEL) & (slot >= 0):
+                norm_rope_heads(
+                    k_ptr + row * stride_kt, ko_ptr + slot * (NUM_K * 2 * HALF), kw_ptr, h0,
+                    stride_kh, 2 * HALF, cos, sin, eps_k, inv_d, NUM_HEADS=NUM_K, HALF=HALF,
+                    BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
+                )
+                offs_h = h0 + tl.arange(0, BLOCK_H)  # values: copied as they are
+                offs_d = tl.arange(0, 2 * BLOCK_HALF)
+                mask = (offs_h < NUM_K)[:, None] & (offs_d < 2 * HALF)[None, :]
+                src = v_ptr + row * stride_vt + (offs_h * stride_vh)[:, None] + offs_d[None, :]
+                dst = (vo_ptr + slot * (NUM_K * 2 * HALF)
+                       + (offs_h * (2 * HALF))[:, None] + offs_d[None, :])  # fmt: skip
+                tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        else:
+            norm_rope_heads(
+                k_ptr + row * stride_kt, ko_ptr + row * (NUM_K * 2 * HALF), kw_ptr, h0,
+                stride_kh, 2 * HALF, cos, sin, eps_k, inv_d, NUM_HEADS=NUM_K, HALF=HALF,
+                BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
+            )
 
 
 @triton.jit
@@ -252,28 +272,75 @@ def qk_norm_rope(
     k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     q3 = _rows(q)
     k3 = q3[:, :0] if k is None else _rows(k)
-    num_tokens, num_q, num_k = q3.shape[0], q3.shape[1], k3.shape[1]
+    num_tokens = q3.shape[0]
     assert positions.numel() == num_tokens and k3.shape[0] == num_tokens
     if num_tokens == 0 or head_dim == 0:
         return q_out, k_out
+    _launch_qk_norm_rope(positions, q3, k3, q_out, q_out if k_out is None else k_out, inv_freq,
+                         q_weight, k_weight, q_eps, k_eps)  # fmt: skip
+    return q_out, k_out
+
+
+def qk_norm_rope_to_cache(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    inv_freq: torch.Tensor,  # [D / 2] fp32
+    slot_mapping: torch.Tensor,  # [T] int64; SENTINEL_SLOT or negative: padding
+    k_cache: torch.Tensor,  # [num_blocks, page, Hkv, D], dense
+    v_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    q_eps: float = 0.0,
+    k_eps: float = 0.0,
+) -> torch.Tensor:
+    """What `qk_norm_rope` then `write_kv` do, in one launch: returns the rotated (normed) q;
+    rotated (normed) keys and the values go straight into the paged cache at their slots."""
+    num_tokens, num_k, head_dim = k.shape
+    assert head_dim % 2 == 0 and inv_freq.dtype == torch.float32 and q.shape[0] == num_tokens
+    assert all(t is None or t.dtype == q.dtype for t in (k, q_weight, k_weight))
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape
+    assert k_cache.shape[2:] == (num_k, head_dim) and k_cache.dtype == k.dtype == v.dtype
+    for cache in (k_cache, v_cache):  # slot s of the cache: s * Hkv * D, heads D apart
+        assert cache.stride(-1) == 1 and cache.stride(2) == head_dim
+        assert cache.stride(1) == num_k * head_dim and cache.stride(0) == cache.shape[1] * (
+            num_k * head_dim)  # fmt: skip
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    v3 = _rows(v)
+    _launch_qk_norm_rope(positions, _rows(q), _rows(k), q_out, k_cache, inv_freq, q_weight,
+                         k_weight, q_eps, k_eps, (v3, slot_mapping, v_cache))  # fmt: skip
+    return q_out
+
+
+def _launch_qk_norm_rope(positions, q3, k3, q_out, k_dst, inv_freq, q_weight, k_weight, q_eps,
+                         k_eps, to_cache=None) -> None:  # fmt: skip
+    from dspark.attention.base import SENTINEL_SLOT
+
+    num_tokens, num_q, head_dim = q3.shape
+    num_k = k3.shape[1]
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     heads = triton.next_power_of_2(max(num_q, num_k, 1))
-    block_h = heads if INTERPRET or not q.is_cuda else max(1, min(heads, 512 // block_half))
+    block_h = heads if INTERPRET or not q3.is_cuda else max(1, min(heads, 512 // block_half))
     q_blocks = triton.cdiv(num_q, block_h)
     has_norm = q_weight is not None
     q_w = q_weight if has_norm else q3
     k_w = q_w if k_weight is None else k_weight  # only read with k and a norm
+    v3, slots, v_dst = to_cache if to_cache is not None else (k3, positions, k_dst)  # (unread)
     _qk_norm_rope_kernel[(num_tokens, q_blocks + triton.cdiv(num_k, block_h))](
-        q3, k3, q_out, q_out if k_out is None else k_out, q_w, k_w,
+        q3, k3, q_out, k_dst, q_w, k_w,
         positions.reshape(-1).contiguous(), inv_freq.contiguous(),
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), q_eps, k_eps, _inv(head_dim),
+        v3, v3.stride(0), v3.stride(1), slots, v_dst,
         NUM_Q=num_q, NUM_K=num_k, Q_BLOCKS=q_blocks, HALF=half, BLOCK_HALF=block_half,
-        BLOCK_H=block_h, HAS_NORM=has_norm,
+        BLOCK_H=block_h, HAS_NORM=has_norm, TO_CACHE=to_cache is not None,
+        SENTINEL=SENTINEL_SLOT,
         num_warps=4 if block_h * block_half >= 512 else (2 if block_h * block_half >= 128 else 1),
         **_NO_FMA,
     )  # fmt: skip
-    return q_out, k_out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

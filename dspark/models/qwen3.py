@@ -62,12 +62,20 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        md, norms = ctx.attn_metadata, (self.q_norm, self.k_norm) if self.qk_norm else ()
+        if getattr(ctx.backend, "attends_written_kv", False) and k_cache is not None:
+            # CUDA: q/k norm + RoPE with keys and values stored into the cache, one kernel
+            q_rot = rotary.forward_to_cache(positions, q, k, v, md.slot_mapping, k_cache,
+                                            v_cache, *norms)  # fmt: skip
+            if q_rot is not None:
+                out = ctx.backend.attend(q_rot, k_cache, v_cache, md, self.scale)
+                return self.o_proj(out.reshape(-1, self.q_size))
         if self.qk_norm:  # one fused kernel on CUDA
             q, k = rotary.norm_forward(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = rotary(positions, q, k)
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -294,3 +294,91 @@ def test_cuda_graph_replay():
         refs = step()
     for out, ref in zip(outs, refs, strict=True):
         check(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4, 4, 24), (5, 6, 2, 24), (3, 8, 1, 128), (4, 2, 2, 10)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@torch.no_grad()
+def test_qk_norm_rope_to_cache_equals_rope_then_write(dtype, shape, qk_norm):
+    """Keys and values stored by the rotary kernel itself: the same q as `qk_norm_rope`, the
+    cache as `qk_norm_rope` + `write_kv` leave it (bitwise: the same arithmetic), padding
+    tokens (sentinel or negative slot) and every other slot untouched."""
+    from dspark.attention.base import SENTINEL_SLOT
+    from dspark.attention.triton.kv_write import write_kv
+
+    num_tokens, heads, kv_heads, head_dim = shape
+    rot = RotaryEmbedding(head_dim, ROPES["default"]).to(DEVICE)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = rand(num_tokens, width, dtype=dtype, scale=2.0)
+    q = qkv[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
+    v = qkv[:, (heads + kv_heads) * head_dim :].unflatten(-1, (kv_heads, head_dim))
+    pos = positions_for(num_tokens)
+    slots = (torch.randperm(40)[:num_tokens] + 8).to(DEVICE)
+    if num_tokens >= 3:
+        slots[1], slots[2] = SENTINEL_SLOT, -1
+    k_cache, v_cache = (rand(12, 4, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    ref_k, ref_v, orig_k = k_cache.clone(), v_cache.clone(), k_cache.clone()
+    norms = ()
+    if qk_norm:
+        q_norm, k_norm = norm_module(head_dim, dtype), norm_module(head_dim, dtype)
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps, k_norm.eps)
+    ref_q, rot_k = ops.qk_norm_rope(pos, q, k, rot.inv_freq, *norms)
+    keep = slots >= 0  # write_kv skips the sentinel's block through the kernel: mirror it
+    write_kv(rot_k[keep], v[keep], ref_k, ref_v, slots[keep])
+    out_q = ops.qk_norm_rope_to_cache(pos, q, k, v, rot.inv_freq, slots, k_cache, v_cache,
+                                      *norms)  # fmt: skip
+    assert torch.equal(out_q, ref_q)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert not torch.equal(k_cache, orig_k)  # (the comparison is not of two untouched caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@torch.no_grad()
+def test_attention_layer_stores_kv_from_the_rotary_kernel(dtype, qk_norm, monkeypatch):
+    """Qwen3 / Llama attention through a backend that attends over already-written K/V: the
+    rotary kernel stores keys and values, the backend only attends; output and cache equal
+    the torch path's (which rotates, then has the backend write and attend)."""
+    from dspark.attention.torch_ref import TorchAttentionBackend
+    from tests.kernels.test_triton_attention import make_step
+
+    cfg = ModelConfig(
+        architectures=["Qwen3ForCausalLM"], vocab_size=32, hidden_size=48, intermediate_size=40,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        rms_norm_eps=1e-6, rope=ROPES["default"], tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, qk_norm=qk_norm, max_position_embeddings=128,
+        dtype=dtype,
+    )  # fmt: skip
+    attn = Attention(cfg, 0).to(DEVICE, dtype)
+    if qk_norm:
+        for norm in (attn.q_norm, attn.k_norm):
+            norm.weight.copy_(rand(24, scale=0.3, dtype=dtype) + 1)
+    rot = RotaryEmbedding(24, cfg.rope).to(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    md, *_, k_cache, v_cache = make_step(gen, [1, 3, 1], [5, 2, 9], 4, 4, 2, 24, dtype,
+                                         num_pad=1)  # fmt: skip
+    x = rand(md.slot_mapping.numel(), 48, dtype=dtype)
+
+    def run(caches):
+        with forward_context(ForwardContext(md, TorchAttentionBackend(), [caches])):
+            return attn(md.positions, x, rot)
+
+    ref_caches = (k_cache.clone(), v_cache.clone())
+    with torch_path():
+        ref = run(ref_caches)
+    calls, kernel = [], ops.qk_norm_rope_to_cache
+    monkeypatch.setattr(ops, "qk_norm_rope_to_cache", lambda *a: calls.append(1) or kernel(*a))
+    with fused_path():
+        out = run((k_cache, v_cache))
+    assert calls == [1]  # (the fused path ran)
+    slot = torch.arange(k_cache.shape[0] * 4, device=DEVICE)
+    real = torch.isin(slot, md.slot_mapping)
+    real[:4] = False  # block 0: where the torch path writes padding tokens; never read
+    for got, want in zip((k_cache, v_cache), ref_caches, strict=True):
+        got, want = got.view(-1, 2, 24), want.view(-1, 2, 24)
+        check(got[real], want[real])
+        assert torch.equal(got[4:][~real[4:]], want[4:][~real[4:]])  # nothing else written
+    n = int(md.query_start_loc[-1])
+    check(out[:n], ref[:n])
