@@ -86,10 +86,12 @@ def build(num_tokens: int, dtype: torch.dtype):
 
 
 def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
-    """Once-per-step work as (before, after) pairs: the DSpark drafter's context write for the
-    8B shape's drafter (5 layers; before: per layer a GEMM, k_norm, RoPE and KV write, after:
-    drafter_context.py) over `num_tokens` tokens, and the lagged policy's allocation of a
-    budget over `num_tokens` requests x 7 drafts (before: the torch sort, after: one launch)."""
+    """Work that fused kernels replaced, as (before, after) pairs over `num_tokens` tokens: a
+    target layer's rotary kernel and KV write (after: the kernel stores K/V itself); the
+    DSpark drafter's context write for the 8B shape's drafter (5 layers; before: per layer a
+    GEMM, k_norm, RoPE and KV write, after: drafter_context.py); the lagged policy's
+    allocation over `num_tokens` requests x 7 drafts (before: the torch sort, after: one
+    launch)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_shape_dirs import QWEN3_8B, drafter_config
 
@@ -132,7 +134,19 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
                 triton_ops.ENABLED = True
         return run
 
+    # a target layer's q/k norm + RoPE, then its KV write; after: stored by the rotary kernel
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEV, dtype=dtype)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k, v = (t.view(num_tokens, -1, HEAD_DIM) for t in (q, k, v))
+    attn = layers[0].self_attn
+    norms = (attn.q_norm, attn.k_norm)
+
+    def rope_then_write():
+        write_kv(*rot.norm_forward(pos, q, k, *norms)[1:], v, caches[0][0], caches[0][1], slots)
+
     return {
+        "rope + KV write (layer)": (rope_then_write, lambda: rot.forward_to_cache(
+            pos, q, k, v, slots, caches[0][0], caches[0][1], *norms)),
         "drafter context write": (per_layer, lambda: fused.write(h, pos, slots, caches,
                                                                  rot.inv_freq.float())),
         f"allocation ({num_tokens} x 7)": (allocation(False), allocation(True)),
