@@ -172,18 +172,23 @@ def test_qk_norm_rope(dtype, shape, qk_norm):
             check(out_one[0], rot.apply_one(pos, k_norm(k)))
 
 
+def tiny_layer_config(dtype, qk_norm: bool) -> ModelConfig:
+    """One decoder layer: 4 query heads over 2 KV heads of 24, hidden 48."""
+    return ModelConfig(
+        architectures=["Qwen3ForCausalLM"], vocab_size=32, hidden_size=48, intermediate_size=40,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        rms_norm_eps=1e-6, rope=ROPES["default"], tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False, qk_norm=qk_norm, max_position_embeddings=128,
+        dtype=dtype,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_modules_dispatch_to_kernels(dtype):
     """RMSNorm, RotaryEmbedding (incl. the drafter's [R, G, H, D] layout), MLP and Attention
     give the torch path's results when routed through the kernels."""
-    cfg = ModelConfig(
-        architectures=["Qwen3ForCausalLM"], vocab_size=32, hidden_size=48, intermediate_size=40,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-        rms_norm_eps=1e-6, rope=ROPES["default"], tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, qk_norm=True, max_position_embeddings=128,
-        dtype=dtype,
-    )  # fmt: skip
+    cfg = tiny_layer_config(dtype, qk_norm=True)
     attn, mlp = Attention(cfg, 0).to(DEVICE, dtype), MLP(cfg).to(DEVICE, dtype)
     for norm in (attn.q_norm, attn.k_norm):
         norm.weight.copy_(rand(24, scale=0.3, dtype=dtype) + 1)
@@ -344,13 +349,7 @@ def test_attention_layer_stores_kv_from_the_rotary_kernel(dtype, qk_norm, monkey
     from dspark.attention.torch_ref import TorchAttentionBackend
     from tests.kernels.test_triton_attention import make_step
 
-    cfg = ModelConfig(
-        architectures=["Qwen3ForCausalLM"], vocab_size=32, hidden_size=48, intermediate_size=40,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-        rms_norm_eps=1e-6, rope=ROPES["default"], tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False, qk_norm=qk_norm, max_position_embeddings=128,
-        dtype=dtype,
-    )  # fmt: skip
+    cfg = tiny_layer_config(dtype, qk_norm)
     attn = Attention(cfg, 0).to(DEVICE, dtype)
     if qk_norm:
         for norm in (attn.q_norm, attn.k_norm):
