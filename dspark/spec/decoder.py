@@ -48,8 +48,7 @@ class SpecDecoder:
         dummy = config.load_format == "dummy"
         self.drafter = DSparkDrafter.from_pretrained(sc.model, target, dtype, device, dummy)
         self.aux_layer_ids = tuple(dcfg.target_layer_ids)
-        # one row per request slot, plus a scratch row that padding rows of whole-step CUDA
-        # graphs write to
+        # one row per request slot, plus a scratch row for whole-step graphs' padding rows
         self.scratch_slot = config.max_num_seqs
         slots = config.max_num_seqs + 1
         self.draft_tokens = torch.zeros(slots, self.k, dtype=torch.int64, device=device)
@@ -87,7 +86,7 @@ class SpecDecoder:
                                          sc.draft_skipping and self.tensor_parallel_size == 1,
                                          sc.plain_probes, DECIDE_MIN_S)  # fmt: skip
         self.draft_enabled = True
-        self.probing = False  # a draft probe while skipping: a few rows only (drafts_row)
+        self.probing = False  # a draft probe on a few of the rows while skipping (drafts_row)
         self.draft_graphs = None
         # scheduler overhead: host time of planning, device time of allocation
         self.plan_ms = 0.0
@@ -206,8 +205,10 @@ class SpecDecoder:
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         self.last_budget = budget
-        self.draft_enabled, self.probing = self.drafting.after_plan(
+        self.draft_enabled, probe = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
+        # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
+        self.probing = probe and n > PROBE_ROWS
         return budget
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
@@ -225,8 +226,7 @@ class SpecDecoder:
             return
         num_drafts = inp.max_num_logits - inp.num_samples  # draft slots laid out
         if budget is not None and budget >= num_drafts:
-            # the plan trims nothing: verify all, the work of the fixed policy (not counted
-            # as allocation overhead)
+            # the plan trims nothing: verify all, as the fixed policy (no allocation overhead)
             finalize(inp, None, None, None)
             return
         timer = Timer(self.device)

@@ -180,3 +180,36 @@ def test_each_row_takes_its_sampling_modes_calibration(tiny_qwen, drafter, tmp_p
     np.testing.assert_allclose(conf[1], 1 / (1 + np.exp(-raw[1] / 0.01)), rtol=1e-4,
                                atol=1e-6)  # fmt: skip
     assert np.all(np.abs(conf[0] - 0.5) < 0.1) and np.all((conf[1] < 0.2) | (conf[1] > 0.8))
+
+
+def test_a_probe_that_covers_every_row_is_an_ordinary_drafting_step(tiny_qwen, drafter,
+                                                                    tmp_path):  # fmt: skip
+    """While drafting is skipped, a draft probe drafts for its first PROBE_ROWS rows (eager:
+    whole-step graphs draft for all rows or none). A batch no larger than that is drafted
+    whole anyway, so such a probe is an ordinary drafting step, which graphs can run; a
+    larger batch still probes a few rows. Outputs stay those of no speculation."""
+    from dspark.spec.drafting import _PROBE_EVERY, PROBE_ROWS
+
+    # the drafter costs 100 ms a pass: drafting never pays, every 64th skipped step probes
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.0,
+                  fixed_overhead_ms=0.0, draft_base_ms=100.0, draft_ms_per_req=0.0)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=_PROBE_EVERY + 24, ignore_eos=True)
+    for num_reqs in (3, PROBE_ROWS + 4):
+        prompts = [{"prompt_token_ids": list(range(5, 9 + i))} for i in range(num_reqs)]
+        llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256)
+        spec, seen = llm.engine.runner.spec, []
+        plan = spec._plan
+
+        def recording(host, n, total, plan=plan, spec=spec, seen=seen):
+            budget = plan(host, n, total)
+            seen.append((n, spec.drafting.pays, spec.draft_enabled, spec.probing))
+            return budget
+
+        spec._plan = recording
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        ref = [o.outputs[0].token_ids for o in LLM(tiny_qwen, device="cpu").generate(
+            prompts, params)]  # fmt: skip
+        assert outs == ref
+        probes = [s for s in seen if not s[1] and s[2]]  # drafting while skipped
+        assert probes and all(n == num_reqs for n, *_ in probes)
+        assert all(p[3] == (num_reqs > PROBE_ROWS) for p in probes), probes
