@@ -28,7 +28,9 @@
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
 # "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
 # call; e2e: 32 prompts, the trained pair's levels at c = 1 / 4 lasted 0.2-1 s with 8, and its
-# whole run 373 s of which 61 s were measured levels; synth, one temperature: 16 prompts, so
+# whole run 373 s of which 61 s were measured levels; 434 s in the fifteenth session, whose
+# levels of 0.4-4.7 s were too short for the drafting decision: 4 waves from c = 16 up (4c
+# requests: ~+40 s of measuring, estimated, not yet run); synth, one temperature: 16 prompts, so
 # c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
 # E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
 # measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
@@ -112,7 +114,8 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
 if has e2e; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e ${E2E_ARGS:---num-prompts 32 --warmup 8} 2>&1 | tee "$OUT/e2e.log" | tail -30
+    --out /tmp/e2e ${E2E_ARGS:---num-prompts 32 --prompts-per-concurrency 4 --warmup 8} 2>&1 \
+    | tee "$OUT/e2e.log" | tail -30
   pack e2e
 fi
 if has demo_e2e; then  # the same sweep on the bundled demo pair (no training needed)
