@@ -48,6 +48,7 @@ from dspark.spec.allocation import (
     threshold_lengths,
 )
 from dspark.spec.cost_model import CostModel
+from dspark.spec.rates import prefix_survival
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +80,14 @@ def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
     s = None if stale_conf is None else np.asarray(stale_conf)
     if s is not None and s.ndim == 2 and s.shape[0] >= num_reqs and s.shape[1] >= k:
         conf = s[:num_reqs, :k]  # every row known (hot path: every lagged step)
-        if prior_conf == 1.0:  # fmin drops NaN: unknown -> 1.0, clipped in the same two calls
-            conf = np.fmin(conf, 1.0, dtype=np.float64)  # (a new float64 array)
-        else:
-            conf = np.where(np.isnan(conf), prior_conf, conf).astype(np.float64)
-            np.fmin(conf, 1.0, out=conf)
-    else:  # rows or columns missing: the prior fills them
+    else:  # rows or columns missing: the prior fills them (NaN: unknown)
         conf = np.full((num_reqs, k), np.nan)
         if s is not None:
             if s.ndim == 1:
                 s = s[None, :]
             rows, cols = min(num_reqs, s.shape[0]), min(k, s.shape[1])
             conf[:rows, :cols] = s[:rows, :cols]
-        conf = np.where(np.isnan(conf), prior_conf, conf)
-        np.fmin(conf, 1.0, out=conf)
-    np.fmax(conf, 0.0, out=conf)
-    surv = conf.cumprod(axis=1, out=conf)  # (methods: numpy's function wrappers cost µs)
+    surv = prefix_survival(conf, prior_conf, np.float64)  # (a new array: sorted in place)
     flat = surv.reshape(-1) if full or num_reqs == 0 or caps.min() == k else surv[
         np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
     # descending: each row is already descending (a running product of values in [0, 1]), so

@@ -38,16 +38,18 @@ def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
     return max(decode_rates(cost, survival, num_reqs, plain_fixed_ms))
 
 
-def prefix_survival(stale: np.ndarray, prior_conf: float = 1.0) -> np.ndarray:
+def prefix_survival(stale: np.ndarray, prior_conf: float = 1.0, dtype=None) -> np.ndarray:
     """[R, K] prefix survival of each row's drafts from stale conditional confidences
-    (unknown ones: the prior)."""
+    (unknown ones: the prior), in a new array of `dtype` (default: the input's)."""
     # ufuncs with `out` (np.clip / np.where cost several µs each on a [1, 7] array; a plan
     # runs this every few steps); fmin maps NaN to its other operand, so with the usual prior
     # of 1.0 one call both fills unknowns and clips from above
     if prior_conf == 1.0:
-        conf = np.fmin(stale, 1.0)
+        conf = np.fmin(stale, 1.0, dtype=dtype)
     else:
         conf = np.where(np.isnan(stale), prior_conf, stale)
+        if dtype is not None:
+            conf = conf.astype(dtype, copy=False)
         np.fmin(conf, 1.0, out=conf)
     np.fmax(conf, 0.0, out=conf)
     return conf.cumprod(axis=1, out=conf)
