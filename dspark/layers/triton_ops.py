@@ -143,6 +143,19 @@ def norm_rope_heads(
 
 
 @triton.jit
+def copy_heads(in_ptr, out_ptr, h0, stride_h, stride_oh, NUM_HEADS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads [h0, h0 + BLOCK_H) of one token copied as they are (pointers as in
+    norm_rope_heads): the values beside keys written by norm_rope_heads."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src = in_ptr + (offs_h * stride_h)[:, None] + offs_d[None, :]
+    dst = out_ptr + (offs_h * stride_oh)[:, None] + offs_d[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+@triton.jit
 def rope_cos_sin(pos_ptr, inv_freq_ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  DT: tl.constexpr):
     """cos, sin [1, BLOCK_HALF] of one position, rounded to DT as torch's cos_sin stores them."""
@@ -186,13 +199,9 @@ def _qk_norm_rope_kernel(
                     stride_kh, 2 * HALF, cos, sin, eps_k, inv_d, NUM_HEADS=NUM_K, HALF=HALF,
                     BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, HAS_NORM=HAS_NORM,
                 )
-                offs_h = h0 + tl.arange(0, BLOCK_H)  # values: copied as they are
-                offs_d = tl.arange(0, 2 * BLOCK_HALF)
-                mask = (offs_h < NUM_K)[:, None] & (offs_d < 2 * HALF)[None, :]
-                src = v_ptr + row * stride_vt + (offs_h * stride_vh)[:, None] + offs_d[None, :]
-                dst = (vo_ptr + slot * (NUM_K * 2 * HALF)
-                       + (offs_h * (2 * HALF))[:, None] + offs_d[None, :])  # fmt: skip
-                tl.store(dst, tl.load(src, mask=mask), mask=mask)
+                copy_heads(v_ptr + row * stride_vt, vo_ptr + slot * (NUM_K * 2 * HALF), h0,
+                           stride_vh, 2 * HALF, NUM_HEADS=NUM_K, HEAD_DIM=2 * HALF,
+                           BLOCK_H=BLOCK_H, BLOCK_D=2 * BLOCK_HALF)  # values: as they are
         else:
             norm_rope_heads(
                 k_ptr + row * stride_kt, ko_ptr + row * (NUM_K * 2 * HALF), kw_ptr, h0,

@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from dspark.attention.base import SENTINEL_SLOT
-from dspark.layers.triton_ops import _NO_FMA, _inv, norm_rope_heads, rope_cos_sin
+from dspark.layers.triton_ops import (
+    _NO_FMA,
+    _inv,
+    copy_heads,
+    norm_rope_heads,
+    rope_cos_sin,
+)
 from dspark.triton_jit import unspecialized
 
 
@@ -50,12 +56,8 @@ def _context_kv_kernel(
         eps, inv_d, NUM_HEADS=NUM_KV, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF,
         HAS_NORM=True,
     )  # fmt: skip
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, 2 * BLOCK_HALF)
-    mask = (offs_h < NUM_KV)[:, None] & (offs_d < head)[None, :]
-    within = (offs_h * head)[:, None] + offs_d[None, :]
-    v = tl.load(kv_ptr + row + NUM_KV * head + within, mask=mask)
-    tl.store(v_cache_ptr + cache_row + within, v, mask=mask)
+    copy_heads(kv_ptr + row + NUM_KV * head, v_cache_ptr + cache_row, h0, head, head,
+               NUM_HEADS=NUM_KV, HEAD_DIM=head, BLOCK_H=BLOCK_H, BLOCK_D=2 * BLOCK_HALF)
 
 
 def write_context_kv(
