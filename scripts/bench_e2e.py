@@ -337,6 +337,14 @@ def print_table(args, temps, results, checks, label) -> None:
                   "plain ms; acceptance ratio): " + ", ".join(
                       f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
                       if st))  # fmt: skip
+        for n in names:  # who was busy: a process near 1.0 core bounds the level, not the GPU
+            cpus = [r.get("host_cpu") for r in results[(n, t)]["results"]]
+            if any(cpus):
+                print(f"{n} host CPU, cores busy (client/server/engine process): " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + "/".join(
+                        f"{(c or {}).get(w, float('nan')):.2f}"
+                        for w in ("client", "server", "engine"))
+                    for lvl, c in zip(levels, cpus)))  # fmt: skip
         for n in names:  # servers started with DSPARK_STEP_CLOCK=1
             clocks = [r.get("step_clock") for r in results[(n, t)]["results"]]
             if any(clocks):

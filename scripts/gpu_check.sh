@@ -145,9 +145,11 @@ if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_ho
   # uvloop + httptools (from .whl) only on this stage's path, so no other stage serves on them
   python3 -m pip install -q --no-index --find-links .whl --target /tmp/uvx uvloop httptools \
     2>&1 | grep -v WARNING
-  for args in "--policy none" "--policy fixed" "--policy none --device-ms 1" \
-      "--policy none --loop uvloop --http httptools" \
-      "--policy none --device-ms 1 --loop uvloop --http httptools"; do
+  # (the engine process, as `dspark serve` runs; each line ends with the cores each process
+  # kept busy: client, server, engine; one near 1.00 is the bound)
+  for args in "--policy none --engine-process" "--policy fixed --engine-process" \
+      "--policy none --engine-process --device-ms 1" \
+      "--policy none --engine-process --loop uvloop --http httptools" "--policy none"; do
     CUDA_VISIBLE_DEVICES= PYTHONPATH=$PYTHONPATH:/tmp/uvx python3 \
       scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
       2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"

@@ -132,7 +132,9 @@ def main() -> int:
                   f"{'' if args.http == 'h11' else ' ' + args.http}, "
                   f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "
                   f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms"
-                  f"{late}", flush=True)  # fmt: skip
+                  f"{late}; cores busy " + " ".join(
+                      f"{who} {v:.2f}" for who, v in (r.get("host_cpu") or {}).items()),
+                  flush=True)  # fmt: skip
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -138,6 +138,10 @@ def format_level_report(m: dict, percentiles: tuple[float, ...]) -> str:
         lines.append(f"acceptance length:        {_fmt(spec['mean_acceptance_length'])}"
                      f"  (from {spec['source']})")
         lines.append(f"verified tokens/request:  {_fmt(spec['verified_tokens_per_request'])}")
+    cpu = m.get("host_cpu")
+    if cpu:  # a process near 1.0 core is a single-threaded bound on the level
+        lines.append("host CPU (cores busy):    " + "  ".join(
+            f"{who} {_fmt(v)}" for who, v in cpu.items()))  # fmt: skip
     for err in m["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from dspark.bench.datasets import SampleRequest
 from dspark.bench.spec_stats import (
     clock_from_counters,
     fetch_spec_counters,
+    host_cpu,
     spec_from_counters,
     spec_from_responses,
 )
@@ -301,8 +302,10 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
                 await run_level(session, dataclasses.replace(cfg, extra_body=body), warm, level,
                                 f"warm-up {level or 'inf'}")  # fmt: skip
             before = await fetch_spec_counters(session, cfg)
+            cpu0 = time.process_time()
             outputs, duration = await run_level(session, cfg, samples, level,
                                                 f"concurrency {level or 'inf'}")
+            client_cpu_s = time.process_time() - cpu0
             after = await fetch_spec_counters(session, cfg)
             rate = cfg.request_rate if math.isfinite(cfg.request_rate) else None
             m = {"max_concurrency": level, "request_rate": rate, "num_prompts": len(samples)}
@@ -314,6 +317,7 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             clock = clock_from_counters(before, after)
             if clock is not None:  # (a server started with DSPARK_STEP_CLOCK=1)
                 m["step_clock"] = clock
+            m["host_cpu"] = host_cpu(before, after, duration, client_cpu_s)
             results.append(m)
             if on_level is not None:
                 on_level(m)

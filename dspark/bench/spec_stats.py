@@ -29,6 +29,8 @@ RATIO_METRIC = "dspark_spec_acceptance_ratio"
 CLOCK_METRICS = {"steps": "dspark_step_clock_steps_total",
                  "busy_ms": "dspark_step_device_busy_ms_total",
                  "idle_ms": "dspark_step_device_idle_ms_total"}  # fmt: skip
+# CPU seconds of the server's process and of the process running the engine loop (counters)
+CPU_METRICS = {"server": "process_cpu_seconds_total", "engine": "dspark_engine_cpu_seconds_total"}
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -90,9 +92,11 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
              "acceptance_ratio": series_by_label(text, RATIO_METRIC, "mode")}
     clock = {f"clock:{field}:{kind}": v for field, name in CLOCK_METRICS.items()
              for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
+    cpu = {f"cpu:{who}": v for who, name in CPU_METRICS.items()
+           for v in parse_prometheus(text, {name}).values()}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
-        k: v for k, v in state.items() if v} | clock
+        k: v for k, v in state.items() if v} | clock | cpu
 
 
 def learned_terms(text: str) -> dict[str, dict[str, dict[str, float]]]:
@@ -160,3 +164,18 @@ def clock_from_counters(before: dict | None, after: dict | None) -> dict | None:
             out[kind] = {"steps": n, "busy_ms_per_step": grew["busy_ms"] / n,
                          "idle_ms_per_step": grew["idle_ms"] / n}  # fmt: skip
     return out or None
+
+
+def host_cpu(before: dict | None, after: dict | None, duration_s: float,
+             client_cpu_s: float) -> dict | None:
+    """Busy fraction of one core over a level, per process: the benchmark client (its own
+    process time), the server's process and the process running the engine loop (from the
+    server's counters, when it exports them). A process near 1.0 is a single-threaded Python
+    bound: the level measures it, not the engine's device work."""
+    if duration_s <= 0:
+        return None
+    out = {"client": client_cpu_s / duration_s}
+    for key in ("cpu:server", "cpu:engine"):
+        if before and after and key in before and key in after:
+            out[key.removeprefix("cpu:")] = max(0.0, after[key] - before[key]) / duration_s
+    return out

@@ -173,6 +173,9 @@ class EngineCore:
             "spec_accepted_per_pos": list(spec.accepted_per_pos),
             "spec_verified_per_pos": list(spec.verified_per_pos),
             "spec_runtime": runtime,
+            # CPU seconds of the process running this loop (all its threads; with the engine
+            # in the server's process, the server's too): a saturated host shows up here
+            "cpu_s": time.process_time(),
         }
         clock = getattr(eng.runner, "step_clock", None)
         if clock is not None and clock.enabled:  # DSPARK_STEP_CLOCK=1: device busy / idle

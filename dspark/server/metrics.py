@@ -13,6 +13,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -36,12 +37,16 @@ _ENGINE_COUNTERS = {
     "spec_verified": ("dspark_spec_verified_tokens", "Draft tokens sent to the target."),
     "spec_accepted": ("dspark_spec_accepted_tokens", "Draft tokens accepted."),
     "spec_num_steps": ("dspark_spec_num_steps", "Per-request decoding rounds with drafts."),
+    "cpu_s": ("dspark_engine_cpu_seconds", "CPU seconds of the process running the engine "
+              "loop (the engine process, or the server's own when the engine runs in it)."),
 }
 
 
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # the server's own process: process_cpu_seconds_total, memory, open fds (Linux)
+        ProcessCollector(registry=r)
         self.model_name = model_name
         self.requests = Counter(
             "dspark_requests", "HTTP requests to /v1 endpoints by status code.",

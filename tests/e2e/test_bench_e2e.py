@@ -46,6 +46,11 @@ def test_sweep_against_the_real_server(spec_server, tmp_path, capsys):
         assert spec["mean_acceptance_length"] >= 1.0
         assert spec["num_verified_tokens"] <= spec["num_drafted_tokens"]
         drafted += spec["num_drafted_tokens"]
+        # who was busy over the level: the client's own process time and the server's CPU
+        # counters (its process, and the one running the engine loop); all did some work
+        cpu = r["host_cpu"]
+        assert set(cpu) == {"client", "server", "engine"}
+        assert all(0.0 < v < 64.0 for v in cpu.values()), cpu
     after = spec_server.metrics()
     key = ("dspark_spec_drafted_tokens_total", ())
     assert after[key] - before.get(key, 0.0) == drafted  # the server's counter agrees
@@ -53,6 +58,7 @@ def test_sweep_against_the_real_server(spec_server, tmp_path, capsys):
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"],
                                                                                ["16"])]
     assert [row[0] for row in rows[-3:]] == ["1", "4", "16"]
+    assert out.count("host CPU (cores busy):") == 3
     png = result.with_suffix(".png")
     header = png.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"

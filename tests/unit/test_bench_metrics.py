@@ -205,6 +205,33 @@ def test_step_clock_totals_reach_metrics_and_the_per_level_view():
     assert clock_from_counters(before, before) is None and clock_from_counters(None, after) is None
 
 
+def test_host_cpu_per_level_from_the_servers_cpu_counters():
+    """The engine loop's CPU seconds (snapshot `cpu_s`) and the server's own process CPU reach
+    /metrics; a level's busy fraction per process is their growth over its duration."""
+    from dspark.bench.spec_stats import CPU_METRICS, host_cpu, parse_prometheus
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+    m.update_from_snapshot({"cpu_s": 10.0}, alive=True)
+    text = m.render()[0].decode()
+    first = {f"cpu:{w}": v for w, name in CPU_METRICS.items()
+             for v in parse_prometheus(text, {name}).values()}  # fmt: skip
+    assert first["cpu:engine"] == 10.0
+    assert "cpu:server" in first  # (Linux: the process collector reads /proc)
+    sum(i * i for i in range(300_000))  # some CPU work in this (the server's) process
+    m.update_from_snapshot({"cpu_s": 13.0}, alive=True)
+    text = m.render()[0].decode()
+    second = {f"cpu:{w}": v for w, name in CPU_METRICS.items()
+              for v in parse_prometheus(text, {name}).values()}  # fmt: skip
+    assert second["cpu:engine"] == 13.0 and second["cpu:server"] >= first["cpu:server"]
+    view = host_cpu({"cpu:engine": 10.0, "cpu:server": 4.0},
+                    {"cpu:engine": 13.0, "cpu:server": 5.5}, duration_s=4.0, client_cpu_s=2.0)
+    assert view == {"client": 0.5, "server": 0.375, "engine": 0.75}
+    # a server without the counters: only the client's share; no duration: nothing
+    assert host_cpu(None, None, 2.0, 1.0) == {"client": 0.5}
+    assert host_cpu({}, {}, 0.0, 1.0) is None
+
+
 # ----------------------------------------------------------------------------- datasets
 
 
