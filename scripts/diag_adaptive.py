@@ -154,7 +154,7 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
     `bench serve` drives a server (see serve_pass)."""
     from dspark import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
     log = StepLog(llm.engine)
     t0 = time.perf_counter()
@@ -270,7 +270,8 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
             if f"{arm}@{conc}" in args.kernel_tables.split(","):
                 from diag_step_paths import kernel_table
 
-                lines.append(kernel_table(llm.engine, arm, conc, args.prompt_len, 30))
+                lines.append(kernel_table(llm.engine, arm, conc, args.prompt_len, 30,
+                                          args.temperature))
             if f"prefill@{conc}" in args.kernel_tables.split(","):
                 lines.append(prefill_table(llm, conc, args.prompt_len))
             if f"draft@{conc}" in args.kernel_tables.split(",") and spec_cfg is not None:
@@ -296,6 +297,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--temperature", type=float, default=0.0, help="of every request")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--synthetic-rates", default="0.65,0.56,0.55,0.55,0.57,0.76,0.8")
     ap.add_argument("--serving", action="store_true",

@@ -24,12 +24,13 @@ from gpu_bench import TINY, make_engine, run_generate  # noqa: E402
 from host_step_cost import prefill_all  # noqa: E402
 
 
-def kernel_table(engine, tag: str, conc: int, prompt_len: int, rows: int) -> str:
+def kernel_table(engine, tag: str, conc: int, prompt_len: int, rows: int,
+                 temperature: float = 0.0) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     from dspark.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
     for i in range(conc):
         ids = [5 + (i + j) % 100 for j in range(prompt_len)]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)

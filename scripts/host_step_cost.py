@@ -128,11 +128,21 @@ def main() -> int:
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a device that takes this long per decode step: reports how much of "
                          "the host work does not overlap it")
+    ap.add_argument("--plain", action="store_true",
+                    help="lagged: its drafting decision always says plain decoding and no "
+                         "probe runs (the adaptive engine's plain steps)")
+    ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256,
-              speculative_config=demo_spec(args.policy))  # fmt: skip
+              speculative_config=demo_spec(args.policy, always_draft=not args.plain))
     runner = llm.engine.runner
+    if args.plain:
+        import dspark.spec.drafting as drafting
+
+        runner.spec.drafting._pays = lambda *a, **k: False
+        runner.spec.drafting.plain_probes = False
+        drafting._PROBE_EVERY = 1 << 30
     sg = stub_device_work(runner, device_ms=args.device_ms)
     llm.engine.stream_outputs = args.stream
     if args.deltas:
@@ -159,7 +169,7 @@ def main() -> int:
         timed(obj, name)
     if runner.spec is not None:
         timed(runner.spec, "plan")
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))}
                for i in range(args.concurrency)]  # fmt: skip
     for i, p in enumerate(prompts):
@@ -172,7 +182,8 @@ def main() -> int:
         steps += 1
     per_step = (time.perf_counter() - t0) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
-    head = (f"policy {args.policy}{', streaming' if args.stream else ''}"
+    head = (f"policy {args.policy}{' plain' if args.plain else ''}"
+            f"{', streaming' if args.stream else ''}, T={args.temperature:g}"
             f"{' deltas' if args.deltas else ''}, "
             f"concurrency {args.concurrency}: {steps} decode steps, ")
     if args.device_ms:  # (the breakdown's parts include the device wait where they span it)

@@ -39,6 +39,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def stub_engine(engine, device_ms: float, tokenless: bool) -> None:
     """The serving engine's setup: streaming outputs, decode steps' device work stubbed (run
     where the engine runs: this process, or the engine process)."""
+    # one intra-op thread, as main() sets for this process: the stubbed engine's CPU tensors
+    # would otherwise spin a thread pool (4-11 cores busy in the engine process, H200 host)
+    torch.set_num_threads(1)
     stub_device_work(engine.runner, prefill=True, device_ms=device_ms)
     engine.stream_outputs = True  # as `dspark serve` (LLM turns it off for generate())
     if tokenless:  # as with --load-format dummy: chunks carry token ids, no text
