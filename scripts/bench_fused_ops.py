@@ -6,7 +6,7 @@ CUDA graph of `LAYERS` repetitions (one decode step's worth), timed with
 `triton.testing.do_bench` (median) and reported per layer; plus the CUDA kernels one layer
 launches (torch profiler) and the share of output elements that are bitwise identical between
 the two paths. Then the once-per-step work that fused kernels replaced (the drafter's context
-write, the lagged policy's allocation), before and after.
+write, the lagged policy's allocation, sampled verification), before and after.
 
     python scripts/bench_fused_ops.py [--tokens 1 256] [--dtype bfloat16]
 """
@@ -91,7 +91,8 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
     DSpark drafter's context write for the 8B shape's drafter (5 layers; before: per layer a
     GEMM, k_norm, RoPE and KV write, after: drafter_context.py); the lagged policy's
     allocation over `num_tokens` requests x 7 drafts (before: the torch sort, after: one
-    launch)."""
+    launch); sampled verification of `num_tokens` requests x 7 drafts (before: full-vocabulary
+    probabilities of every row, after: row_stats_triton)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_shape_dirs import QWEN3_8B, drafter_config
 
@@ -144,7 +145,32 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
     def rope_then_write():
         write_kv(*rot.norm_forward(pos, q, k, *norms)[1:], v, caches[0][0], caches[0][1], slots)
 
+    # sampled verification (standard method, T = 1) of num_tokens requests x 7 drafts over
+    # the 8B vocabulary; before: processed_probs over every row, after: one pass per row
+    from dspark.spec.verify import VerifyInputs, verify
+
+    vocab, kk = QWEN3_8B["vocab_size"], 7
+    cu = torch.arange(num_tokens + 1, device=DEV) * (kk + 1)
+    vin = VerifyInputs(
+        target_logits=torch.randn(num_tokens * (kk + 1), vocab, device=DEV, dtype=dtype) * 3,
+        cu_num_logits=cu, draft_token_ids=torch.randint(0, vocab, (num_tokens, kk), device=DEV),
+        draft_probs=torch.softmax(torch.randn(num_tokens, kk, vocab, device=DEV), -1),
+        temperature=torch.ones(num_tokens, device=DEV), top_k=None, top_p=None, min_p=None,
+        seeds=torch.arange(num_tokens, device=DEV), anchor_positions=cu[:-1] + 100,
+        rounds=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
+    )  # fmt: skip
+
+    def sampled_verify(triton_on: bool):
+        def run():
+            triton_ops.ENABLED = triton_on
+            try:
+                return verify(vin)
+            finally:
+                triton_ops.ENABLED = True
+        return run
+
     return {
+        f"sampled verify ({num_tokens} x 7)": (sampled_verify(False), sampled_verify(True)),
         "rope + KV write (layer)": (rope_then_write, lambda: rot.forward_to_cache(
             pos, q, k, v, slots, caches[0][0], caches[0][1], *norms)),
         "drafter context write": (per_layer, lambda: fused.write(h, pos, slots, caches,

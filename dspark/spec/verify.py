@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.layers.norm import fused_ops
 from dspark.sampling import rng
 from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
 from dspark.spec import block_verify
@@ -121,15 +122,27 @@ def verify(
     pt_draft = torch.zeros(shape, dtype=torch.float64, device=dev)  # p_t(d_{j+1}) at row j
     argmax = torch.zeros(shape, dtype=torch.int64, device=dev)
     res_mass = torch.zeros(shape, dtype=torch.float64, device=dev)  # block: R_j at row j
+    # the standard method with temperature alone reads two scalars per row: one pass over
+    # each row's logits, no [rows, V] probabilities (so no chunks either)
+    row_stats = (_fused_row_stats(logits)
+                 if method == "standard" and sampling.temperature_only else None)  # fmt: skip
+    if row_stats is not None:
+        chunk = max(num_rows, 1)
     for s in range(0, num_rows, chunk):
         t = torch.arange(s, min(s + chunk, num_rows), device=dev)
         req, j, valid = _map_rows(t, cu, num_reqs, k)
         slot = j.clamp(max=max(k - 1, 0))
         has_draft = valid & (j < num_drafts[req])
         d = safe_drafts[req, slot] if k > 0 else torch.zeros_like(t)
+        flat = torch.where(valid, req * (k + 1) + j, torch.full_like(t, num_reqs * (k + 1)))
+        if row_stats is not None:  # (padding rows' results land in the junk row)
+            pt_d, amax = row_stats(logits[s : s + t.numel()], sampling.temperature[req], d,
+                                   GREEDY_EPS)  # fmt: skip
+            pt_draft.view(-1).scatter_(0, flat, torch.where(has_draft, pt_d.double(), 0.0))
+            argmax.view(-1).scatter_(0, flat, amax)
+            continue
         rows = logits[s : s + t.numel()].masked_fill(~valid.unsqueeze(1), 0.0)  # junk padding
         probs = processed_probs(rows, *sampling.rows(req))
-        flat = torch.where(valid, req * (k + 1) + j, torch.full_like(t, num_reqs * (k + 1)))
         pt_d = probs.gather(1, d.unsqueeze(1)).squeeze(1).double()
         pt_draft.view(-1).scatter_(0, flat, torch.where(has_draft, pt_d, 0.0))
         argmax.view(-1).scatter_(0, flat, rows.argmax(dim=-1))
@@ -212,6 +225,16 @@ def _map_rows(
     return req, j, valid
 
 
+def _fused_row_stats(logits: torch.Tensor):
+    """`row_stats_triton.draft_prob_and_argmax` where fused kernels take these logits (CUDA,
+    DSPARK_FUSED_OPS on; tests: the interpreter), else None."""
+    if logits.stride(-1) != 1 or fused_ops(logits) is None:
+        return None
+    from dspark.sampling.row_stats_triton import draft_prob_and_argmax
+
+    return draft_prob_and_argmax
+
+
 class _SamplingParams:
     """Per-request sampling parameters, gathered per row for `processed_probs`."""
 
@@ -220,6 +243,8 @@ class _SamplingParams:
         self.top_k = None if inp.top_k is None else inp.top_k.to(dev, torch.int64)
         self.top_p = None if inp.top_p is None else inp.top_p.to(dev, torch.float32)
         self.min_p = None if inp.min_p is None else inp.min_p.to(dev, torch.float32)
+        # no filter but the temperature: the draft probability is a softmax entry
+        self.temperature_only = self.top_k is None and self.top_p is None and self.min_p is None
 
     def rows(self, req: torch.Tensor) -> tuple:
         def g(x: torch.Tensor | None) -> torch.Tensor | None:
