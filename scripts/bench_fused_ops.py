@@ -6,7 +6,8 @@ CUDA graph of `LAYERS` repetitions (one decode step's worth), timed with
 `triton.testing.do_bench` (median) and reported per layer; plus the CUDA kernels one layer
 launches (torch profiler) and the share of output elements that are bitwise identical between
 the two paths. Then the once-per-step work that fused kernels replaced (the drafter's context
-write, the lagged policy's allocation, sampled verification), before and after.
+write, the lagged policy's allocation, a sampled draft slot, sampled verification), before and
+after.
 
     python scripts/bench_fused_ops.py [--tokens 1 256] [--dtype bfloat16]
 """
@@ -169,7 +170,33 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
                 triton_ops.ENABLED = True
         return run
 
+    # one probabilistic draft slot (T = 1) over the 8B vocabulary: the drafter's torch path
+    # (upcast, bias, softmax, inverse CDF, copy into the [R, K, V] buffer) against one kernel
+    from dspark.sampling import rng as rng_mod
+    from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
+    from dspark.sampling.softmax_sample_triton import sample_softmax
+
+    slot_base = torch.randn(num_tokens, kk, vocab, device=DEV, dtype=dtype)[:, 3] * 3
+    slot_bias = torch.randn(num_tokens, vocab, device=DEV)
+    slot_probs = torch.empty(num_tokens, kk, vocab, device=DEV)
+    slot_tok = torch.empty(num_tokens, kk, dtype=torch.int64, device=DEV)
+    ones = torch.ones(num_tokens, device=DEV)
+
+    def draft_slot_torch():
+        p = processed_probs(slot_base.float() + slot_bias.float(), ones)
+        u = rng_mod.uniform(vin.seeds, vin.anchor_positions, vin.rounds, rng_mod.DRAFT)
+        slot_tok[:, 3] = sample_from_probs(p, u)
+        slot_probs[:, 3] = p
+        return slot_tok[:, 3], slot_probs[:, 3]
+
+    def draft_slot_fused():
+        u = rng_mod.uniform(vin.seeds, vin.anchor_positions, vin.rounds, rng_mod.DRAFT)
+        sample_softmax(slot_base, slot_bias, ones, u, GREEDY_EPS, slot_tok[:, 3],
+                       slot_probs[:, 3])  # fmt: skip
+        return slot_tok[:, 3], slot_probs[:, 3]
+
     return {
+        f"sampled draft slot ({num_tokens})": (draft_slot_torch, draft_slot_fused),
         f"sampled verify ({num_tokens} x 7)": (sampled_verify(False), sampled_verify(True)),
         "rope + KV write (layer)": (rope_then_write, lambda: rot.forward_to_cache(
             pos, q, k, v, slots, caches[0][0], caches[0][1], *norms)),

@@ -71,7 +71,7 @@ if has tests; then
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     tests/kernels/test_attention_variants.py tests/kernels/test_draft_argmax.py \
     tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \
-    tests/kernels/test_row_stats.py \
+    tests/kernels/test_row_stats.py tests/kernels/test_softmax_sample.py \
     tests/unit/test_step_clock.py \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25

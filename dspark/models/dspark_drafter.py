@@ -45,7 +45,7 @@ from dspark.models.drafter_context import LayerKVCaches, fused_context_for
 from dspark.models.markov_heads import ConfidenceHead, build_markov_head
 from dspark.models.qwen3 import MLP, CausalLM
 from dspark.sampling import rng
-from dspark.sampling.processors import processed_probs, sample_from_probs
+from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
 
 logger = logging.getLogger(__name__)
 
@@ -255,8 +255,10 @@ class DSparkDrafter(nn.Module):
         prev = anchor_ids
         # greedy drafts without max_probs need only the argmax: one fused pass over the
         # vocabulary per slot on CUDA (layers/argmax_triton.py) instead of fp32 copies
-        fused = not probabilistic and max_probs is None and fused_ops(base_logits) is not None
-        if fused:
+        fused = max_probs is None and fused_ops(base_logits) is not None
+        if fused and probabilistic:  # ... and sampled ones one fused softmax + draw per slot
+            from dspark.sampling import softmax_sample_triton
+        elif fused:
             from dspark.layers.argmax_triton import biased_argmax
         for k in range(k_max):
             h_k = h[:, k]
@@ -269,6 +271,12 @@ class DSparkDrafter(nn.Module):
                     torch.cat([h_k, prev_emb.to(h_k.dtype)], dim=-1)
                 )
                 conf_logits[:, k] = self.confidence_head(feats)
+            if fused and probabilistic:
+                u = rng.uniform(seeds, anchor_pos + (k + 1), rounds, rng.DRAFT)
+                softmax_sample_triton.sample_softmax(base_logits[:, k], bias, temperature, u,
+                                                     GREEDY_EPS, token_ids[:, k], probs[:, k])
+                prev = token_ids[:, k]
+                continue
             if fused and (bias is None or bias.dtype == base_logits.dtype):
                 biased_argmax(base_logits[:, k], bias, token_ids[:, k])
                 prev = token_ids[:, k]
