@@ -183,7 +183,8 @@ def main() -> int:
     per_step = (time.perf_counter() - t0) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
     head = (f"policy {args.policy}{' plain' if args.plain else ''}"
-            f"{', streaming' if args.stream else ''}, T={args.temperature:g}"
+            f"{f' T={args.temperature:g}' if args.temperature else ''}"
+            f"{', streaming' if args.stream else ''}"
             f"{' deltas' if args.deltas else ''}, "
             f"concurrency {args.concurrency}: {steps} decode steps, ")
     if args.device_ms:  # (the breakdown's parts include the device wait where they span it)
