@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from dspark.layers.norm import fused_ops
 from dspark.sampling import rng
-from dspark.sampling.processors import processed_probs, sample_from_probs
+from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
 
 
 def sample_tokens(
@@ -22,6 +23,15 @@ def sample_tokens(
 ) -> torch.Tensor:  # [N] int64
     if all_greedy:
         return logits.argmax(dim=-1)
+    if top_k is None and top_p is None and min_p is None and logits.stride(-1) == 1:
+        fused = fused_ops(logits)  # temperature alone: one fused softmax + draw (CUDA)
+        if fused is not None:
+            from dspark.sampling.softmax_sample_triton import sample_softmax
+
+            u = rng.uniform(seeds[row], next_pos, rounds[row], rng.SAMPLE)
+            out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            sample_softmax(logits, None, temperature[row], u, GREEDY_EPS, out)
+            return out
     probs = processed_probs(
         logits,
         temperature[row],

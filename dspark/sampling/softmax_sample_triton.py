@@ -14,9 +14,17 @@ the two-level inverse CDF, the copy into the probabilities buffer): at a 152k vo
      edge, the chunk's last positive one). Greedy rows (T <= eps) take the argmax, and their
      stored row is one-hot there, as `processed_probs` gives.
 The law is the stored row's, so verification's residual uses exactly the distribution the
-token was drawn from. Against torch's softmax and `sample_from_probs` the probabilities agree
-to fp32 rounding (sums in another order) and the token is the same except where u falls
-within rounding of a boundary. Grids depend on shapes only: CUDA-graph safe.
+token was drawn from.
+
+`sample_final` draws verification's final token of each request the same way: the target
+row at each request's stop (read in place through a row index), and where a draft was
+rejected the residual max(w p - q, 0) against the draft's law (or p with the draft token
+removed, for point-mass drafts), p itself where that residual has no mass. `sampler.py` uses
+`sample_softmax` for plain sampling too.
+
+Against torch's softmax and `sample_from_probs` the probabilities agree to fp32 rounding
+(sums in another order) and the token is the same except where u falls within rounding of a
+boundary. Grids depend on shapes only: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -32,12 +40,22 @@ _TARGET_PROGRAMS = 528  # ~4 per SM on an H200
 
 
 @triton.jit
-def _x(base_ptr, bias_ptr, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS: tl.constexpr):
-    r = row.to(tl.int64)
-    x = tl.load(base_ptr + r * stride_base + cols, mask=ok, other=float("-inf")).to(tl.float32)
+def _x(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias, t,
+       HAS_BIAS: tl.constexpr):  # fmt: skip
+    x = tl.load(base_ptr + brow * stride_base + cols, mask=ok, other=float("-inf"))
+    x = x.to(tl.float32)
     if HAS_BIAS:
-        x += tl.load(bias_ptr + r * stride_bias + cols, mask=ok, other=0.0).to(tl.float32)
+        x += tl.load(bias_ptr + row.to(tl.int64) * stride_bias + cols, mask=ok,
+                     other=0.0).to(tl.float32)  # fmt: skip
     return x / t
+
+
+@triton.jit
+def _base_row(rows_ptr, row, HAS_ROWS: tl.constexpr):
+    if HAS_ROWS:
+        return tl.load(rows_ptr + row).to(tl.int64)
+    else:
+        return row.to(tl.int64)
 
 
 @triton.jit
@@ -55,10 +73,30 @@ def _row_law(part_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
     return big, tl.sum(s * tl.exp(m - big), axis=0), amax
 
 
+@triton.jit
+def _values(x, big, total, greedy, amax, cols, ok, q_ptr, qrow, stride_q, d, w,
+            RES: tl.constexpr, HAS_Q: tl.constexpr):  # fmt: skip
+    """(p, r): the law p = softmax (one-hot at the argmax for greedy rows) and, in residual
+    mode, r = max(w p - q, 0) (point-mass drafts: w p without the draft token)."""
+    p = tl.exp(x - big) / total
+    p = tl.where(greedy, tl.where(cols == amax, 1.0, 0.0), p)
+    p = tl.where(ok, p, 0.0)
+    r = p
+    if RES:
+        if HAS_Q:
+            q = tl.load(q_ptr + qrow * stride_q + cols, mask=ok, other=0.0)
+            r = tl.maximum(p * w - q, 0.0)
+        else:
+            r = tl.where(cols == d, 0.0, p * w)
+    return p, r
+
+
 @triton.jit(**unspecialized("stride_base", "stride_bias"))
-def _stats_kernel(base_ptr, bias_ptr, temp_ptr, part_ptr, stride_base, stride_bias, vocab, chunk,
-                  num_chunks, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _stats_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, part_ptr, stride_base, stride_bias,
+                  vocab, chunk, num_chunks, eps, HAS_BIAS: tl.constexpr,
+                  HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row, c = tl.program_id(0), tl.program_id(1)
+    brow = _base_row(rows_ptr, row, HAS_ROWS)
     t = tl.load(temp_ptr + row)
     t = tl.where(t <= eps, 1.0, t)
     start = c * chunk
@@ -68,7 +106,7 @@ def _stats_kernel(base_ptr, bias_ptr, temp_ptr, part_ptr, stride_base, stride_bi
     for off in range(0, chunk, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
         ok = (cols < vocab) & (cols < start + chunk)
-        x = _x(base_ptr, bias_ptr, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
+        x = _x(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
         bm = tl.max(x, axis=0)
         bi = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start + off
         best_idx = tl.where(bm > m, bi, best_idx)  # strictly: the first maximum wins
@@ -82,44 +120,96 @@ def _stats_kernel(base_ptr, bias_ptr, temp_ptr, part_ptr, stride_base, stride_bi
     tl.store(out + 2, best_idx.to(tl.float32))  # (exact: vocabularies are < 2**24)
 
 
-@triton.jit(**unspecialized("stride_base", "stride_bias", "stride_probs"))
-def _probs_kernel(base_ptr, bias_ptr, temp_ptr, part_ptr, probs_ptr, tot_ptr, stride_base,
-                  stride_bias, stride_probs, vocab, chunk, num_chunks, eps,
-                  HAS_BIAS: tl.constexpr, STORE: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit
+def _block_values(base_ptr, bias_ptr, brow, row, first, end, vocab, stride_base, stride_bias,
+                  t, big, total, greedy, amax, q_ptr, qrow, stride_q, d, w,
+                  HAS_BIAS: tl.constexpr, RES: tl.constexpr, HAS_Q: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """(columns, their mask, p, r) of the BLOCK columns from `first` (before `end`)."""
+    cols = first + tl.arange(0, BLOCK)
+    ok = (cols < vocab) & (cols < end)
+    x = _x(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
+    p, r = _values(x, big, total, greedy, amax, cols, ok, q_ptr, qrow, stride_q, d, w, RES,
+                   HAS_Q)  # fmt: skip
+    return cols, ok, p, r
+
+
+@triton.jit
+def _residual_args(qrows_ptr, d_ptr, w_ptr, row, RES: tl.constexpr, HAS_Q: tl.constexpr):
+    qrow = tl.full((), 0, tl.int64)
+    d = tl.full((), -1, tl.int64)
+    w = tl.full((), 1.0, tl.float32)
+    if RES:
+        w = tl.load(w_ptr + row)
+        if HAS_Q:
+            qrow = tl.load(qrows_ptr + row).to(tl.int64)
+        else:
+            d = tl.load(d_ptr + row).to(tl.int64)
+    return qrow, d, w
+
+
+@triton.jit
+def _row_setup(rows_ptr, temp_ptr, part_ptr, qrows_ptr, d_ptr, w_ptr, row, num_chunks, eps,
+               HAS_ROWS: tl.constexpr, RES: tl.constexpr, HAS_Q: tl.constexpr,
+               BLOCK_C: tl.constexpr):  # fmt: skip
+    """What passes 2 and 3 know of a row before reading it: its logits row, temperature
+    (1 for greedy rows), law (max, sum, argmax) and residual arguments."""
+    brow = _base_row(rows_ptr, row, HAS_ROWS)
+    t = tl.load(temp_ptr + row)
+    greedy = t <= eps
+    t = tl.where(greedy, 1.0, t)
+    big, total, amax = _row_law(part_ptr, row, num_chunks, BLOCK_C)
+    qrow, d, w = _residual_args(qrows_ptr, d_ptr, w_ptr, row, RES, HAS_Q)
+    return brow, t, greedy, big, total, amax, qrow, d, w
+
+
+@triton.jit(**unspecialized("stride_base", "stride_bias", "stride_probs", "stride_q"))
+def _probs_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, part_ptr, probs_ptr, tot_ptr, q_ptr,
+                  qrows_ptr, d_ptr, w_ptr, stride_base, stride_bias, stride_probs, stride_q,
+                  vocab, chunk, num_chunks, eps, HAS_BIAS: tl.constexpr,
+                  HAS_ROWS: tl.constexpr, STORE: tl.constexpr, RES: tl.constexpr,
+                  HAS_Q: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_C: tl.constexpr):  # fmt: skip
     row, c = tl.program_id(0), tl.program_id(1)
-    t = tl.load(temp_ptr + row)
-    greedy = t <= eps
-    t = tl.where(greedy, 1.0, t)
-    big, total, amax = _row_law(part_ptr, row, num_chunks, BLOCK_C)
+    brow, t, greedy, big, total, amax, qrow, d, w = _row_setup(
+        rows_ptr, temp_ptr, part_ptr, qrows_ptr, d_ptr, w_ptr, row, num_chunks, eps, HAS_ROWS,
+        RES, HAS_Q, BLOCK_C)  # fmt: skip
     start = c * chunk
-    acc = tl.full((), 0.0, tl.float64)
+    acc_p = tl.full((), 0.0, tl.float64)
+    acc_r = tl.full((), 0.0, tl.float64)
     for off in range(0, chunk, BLOCK):
-        cols = start + off + tl.arange(0, BLOCK)
-        ok = (cols < vocab) & (cols < start + chunk)
-        x = _x(base_ptr, bias_ptr, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
-        p = tl.exp(x - big) / total
-        p = tl.where(greedy, tl.where(cols == amax, 1.0, 0.0), p)
-        p = tl.where(ok, p, 0.0)
+        cols, ok, p, r = _block_values(
+            base_ptr, bias_ptr, brow, row, start + off, start + chunk, vocab, stride_base,
+            stride_bias, t, big, total, greedy, amax, q_ptr, qrow, stride_q, d, w, HAS_BIAS,
+            RES, HAS_Q, BLOCK)  # fmt: skip
         if STORE:
             tl.store(probs_ptr + row.to(tl.int64) * stride_probs + cols, p, mask=ok)
-        acc += tl.sum(p.to(tl.float64), axis=0)
-    tl.store(tot_ptr + row * num_chunks + c, acc)
+        acc_p += tl.sum(p.to(tl.float64), axis=0)
+        acc_r += tl.sum(r.to(tl.float64), axis=0)
+    tl.store(tot_ptr + (row * num_chunks + c) * 2, acc_p)
+    tl.store(tot_ptr + (row * num_chunks + c) * 2 + 1, acc_r)
 
 
-@triton.jit(**unspecialized("stride_base", "stride_bias", "stride_out"))
-def _pick_kernel(base_ptr, bias_ptr, temp_ptr, u_ptr, part_ptr, tot_ptr, out_ptr, stride_base,
-                 stride_bias, stride_out, vocab, chunk, num_chunks, eps,
-                 HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(**unspecialized("stride_base", "stride_bias", "stride_out", "stride_q"))
+def _pick_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, u_ptr, part_ptr, tot_ptr, out_ptr,
+                 q_ptr, qrows_ptr, d_ptr, w_ptr, res_ptr, stride_base, stride_bias,
+                 stride_out, stride_q, vocab, chunk, num_chunks, eps,
+                 HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, RES: tl.constexpr,
+                 HAS_Q: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_C: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
-    t = tl.load(temp_ptr + row)
-    greedy = t <= eps
-    t = tl.where(greedy, 1.0, t)
-    big, total, amax = _row_law(part_ptr, row, num_chunks, BLOCK_C)
+    brow, t, greedy, big, total, amax, qrow, d, w = _row_setup(
+        rows_ptr, temp_ptr, part_ptr, qrows_ptr, d_ptr, w_ptr, row, num_chunks, eps, HAS_ROWS,
+        RES, HAS_Q, BLOCK_C)  # fmt: skip
     cs = tl.arange(0, BLOCK_C)
     ok_c = cs < num_chunks
-    tot = tl.load(tot_ptr + row * num_chunks + cs, mask=ok_c, other=0.0)
+    tot_p = tl.load(tot_ptr + (row * num_chunks + cs) * 2, mask=ok_c, other=0.0)
+    tot_r = tl.load(tot_ptr + (row * num_chunks + cs) * 2 + 1, mask=ok_c, other=0.0)
+    use_res = False
+    if RES:  # the residual where a draft was rejected and it has mass, else p
+        mass = tl.sum(tot_r, axis=0)
+        use_res = (tl.load(res_ptr + row) != 0) & (mass > 0) & (mass < float("inf"))
+    tot = tl.where(use_res, tot_r, tot_p)
     cum = tl.cumsum(tot, axis=0)
     target = tl.load(u_ptr + row) * tl.sum(tot, axis=0)
     # the first chunk whose running total exceeds the target; at the top edge (rounding), the
@@ -132,17 +222,63 @@ def _pick_kernel(base_ptr, bias_ptr, temp_ptr, u_ptr, part_ptr, tot_ptr, out_ptr
     found = tl.full((), -1, tl.int64)
     last_pos = tl.full((), 0, tl.int64) + start
     for off in range(0, chunk, BLOCK):
-        cols = start + off + tl.arange(0, BLOCK)
-        ok = (cols < vocab) & (cols < start + chunk)
-        x = _x(base_ptr, bias_ptr, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
-        p = tl.where(ok, tl.exp(x - big) / total, 0.0)  # (as _probs_kernel computes it)
-        local = before + tl.cumsum(p.to(tl.float64), axis=0)
+        cols, ok, p, r = _block_values(
+            base_ptr, bias_ptr, brow, row, start + off, start + chunk, vocab, stride_base,
+            stride_bias, t, big, total, greedy, amax, q_ptr, qrow, stride_q, d, w, HAS_BIAS,
+            RES, HAS_Q, BLOCK)  # fmt: skip
+        v = tl.where(use_res, r, p)  # (as _probs_kernel computed them)
+        local = before + tl.cumsum(v.to(tl.float64), axis=0)
         hit = tl.min(tl.where((local > target) & ok, cols, vocab), axis=0).to(tl.int64)
         found = tl.where((found < 0) & (hit < vocab), hit, found)
-        last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, cols, 0), axis=0).to(tl.int64))
-        before += tl.sum(p.to(tl.float64), axis=0)
+        last_pos = tl.maximum(last_pos, tl.max(tl.where(v > 0, cols, 0), axis=0).to(tl.int64))
+        before += tl.sum(v.to(tl.float64), axis=0)
     tok = tl.where(found >= 0, found, last_pos)
     tl.store(out_ptr + row * stride_out, tl.where(greedy, amax, tok))
+
+
+def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, w, res,
+            block):  # fmt: skip
+    """The three passes over `tokens.shape[0]` rows (see sample_softmax / sample_final)."""
+    n, vocab = tokens.shape[0], base.shape[1]
+    assert base.stride(1) == 1 and tokens.dtype == torch.int64
+    if n == 0:
+        return
+    dev = base.device
+    block = min(block, triton.next_power_of_2(vocab))
+    want = max(1, -(-_TARGET_PROGRAMS // n))
+    num_chunks = max(1, min(want, triton.cdiv(vocab, block), 64))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    num_chunks = triton.cdiv(vocab, chunk)
+    block_c = triton.next_power_of_2(num_chunks)
+    part = torch.empty(n, num_chunks, 3, dtype=torch.float32, device=dev)
+    tot = torch.empty(n, num_chunks, 2, dtype=torch.float64, device=dev)
+    temperature = temperature.to(dev, torch.float32).contiguous()
+    u = u.to(dev, torch.float64).contiguous()
+    flags = dict(HAS_BIAS=bias is not None, HAS_ROWS=rows is not None)
+    res_flags = dict(RES=w is not None, HAS_Q=q is not None)
+    bias_t, sb = (base, 0) if bias is None else (bias, bias.stride(0))
+    rows_t = base if rows is None else rows
+    q_t, sq = (base, 0) if q is None else (q, q.stride(0))
+    qr_t = base if q_rows is None else q_rows
+    d_t = base if d is None else d
+    w_t = base if w is None else w
+    res_t = base if res is None else res
+    warps = 8 if block >= 1024 else 4
+    _stats_kernel[(n, num_chunks)](
+        base, bias_t, rows_t, temperature, part, base.stride(0), sb, vocab, chunk, num_chunks,
+        float(eps), **flags, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    _probs_kernel[(n, num_chunks)](
+        base, bias_t, rows_t, temperature, part, base if probs is None else probs, tot, q_t,
+        qr_t, d_t, w_t, base.stride(0), sb, 0 if probs is None else probs.stride(0), sq, vocab,
+        chunk, num_chunks, float(eps), **flags, STORE=probs is not None, **res_flags,
+        BLOCK=block, BLOCK_C=block_c, num_warps=warps,
+    )  # fmt: skip
+    _pick_kernel[(n,)](
+        base, bias_t, rows_t, temperature, u, part, tot, tokens, q_t, qr_t, d_t, w_t, res_t,
+        base.stride(0), sb, tokens.stride(0), sq, vocab, chunk, num_chunks, float(eps),
+        **flags, **res_flags, BLOCK=block, BLOCK_C=block_c, num_warps=warps,
+    )  # fmt: skip
 
 
 def sample_softmax(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor,
@@ -153,41 +289,30 @@ def sample_softmax(base: torch.Tensor, bias: torch.Tensor | None, temperature: t
     base, bias, probs: [R, V] with unit stride along V (slices of [R, K, V] buffers); bias
     fp32 or base's dtype; temperature [R] fp32; u [R] fp64 in (0, 1); tokens [R] int64, any
     stride. `block`: columns per load (tests make it small to cover many chunks)."""
-    rows, vocab = base.shape
-    assert base.stride(1) == 1 and tokens.dtype == torch.int64 and tokens.shape == (rows,)
+    rows = base.shape[0]
+    assert tokens.shape == (rows,)
     if bias is not None:
         assert bias.shape == base.shape and bias.stride(1) == 1
     if probs is not None:
         assert probs.shape == base.shape and probs.stride(1) == 1
         assert probs.dtype == torch.float32
-    if rows == 0:
-        return
-    dev = base.device
-    block = min(block, triton.next_power_of_2(vocab))
-    want = max(1, -(-_TARGET_PROGRAMS // rows))
-    num_chunks = max(1, min(want, triton.cdiv(vocab, block), 64))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk)
-    block_c = triton.next_power_of_2(num_chunks)
-    part = torch.empty(rows, num_chunks, 3, dtype=torch.float32, device=dev)
-    tot = torch.empty(rows, num_chunks, dtype=torch.float64, device=dev)
-    temperature = temperature.to(dev, torch.float32).contiguous()
-    u = u.to(dev, torch.float64).contiguous()
-    bias_t = base if bias is None else bias
-    sb = 0 if bias is None else bias.stride(0)
-    warps = 8 if block >= 1024 else 4
-    _stats_kernel[(rows, num_chunks)](
-        base, bias_t, temperature, part, base.stride(0), sb, vocab, chunk, num_chunks,
-        float(eps), HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps,
-    )  # fmt: skip
-    _probs_kernel[(rows, num_chunks)](
-        base, bias_t, temperature, part, base if probs is None else probs, tot,
-        base.stride(0), sb, 0 if probs is None else probs.stride(0), vocab, chunk, num_chunks,
-        float(eps), HAS_BIAS=bias is not None, STORE=probs is not None, BLOCK=block,
-        BLOCK_C=block_c, num_warps=warps,
-    )  # fmt: skip
-    _pick_kernel[(rows,)](
-        base, bias_t, temperature, u, part, tot, tokens, base.stride(0), sb, tokens.stride(0),
-        vocab, chunk, num_chunks, float(eps), HAS_BIAS=bias is not None, BLOCK=block,
-        BLOCK_C=block_c, num_warps=warps,
-    )  # fmt: skip
+    _launch(base, bias, None, temperature, u, eps, tokens, probs, None, None, None, None, None,
+            block)  # fmt: skip
+
+
+def sample_final(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
+                 u: torch.Tensor, eps: float, tokens: torch.Tensor, rejected: torch.Tensor,
+                 weight: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
+                 q_rows: torch.Tensor | None, block: int = _BLOCK) -> None:  # fmt: skip
+    """Verification's final tokens, one per request r: from logits[rows[r]] at temperature
+    T_r (greedy rows: its first argmax), by inverse CDF at u[r]. Where `rejected[r]`, from
+    the residual max(weight[r] p - q[q_rows[r]], 0) instead (q None: point-mass drafts, the
+    residual is weight[r] p without draft[r]), unless it has no mass. logits [N, V] and q
+    [S, V] with unit stride along V; rows, q_rows, draft [R] int64; weight [R] fp32;
+    rejected [R] bool; tokens [R] int64, any stride."""
+    n = rows.shape[0]
+    assert tokens.shape == (n,) and (q is None or q.stride(1) == 1)
+    _launch(logits, None, rows.contiguous(), temperature, u, eps, tokens, None, q,
+            None if q_rows is None else q_rows.contiguous(), draft.contiguous(),
+            weight.to(torch.float32).contiguous(), rejected.to(torch.int8).contiguous(),
+            block)  # fmt: skip

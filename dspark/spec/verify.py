@@ -177,7 +177,22 @@ def verify(
 
     # ---- pass 2: the final row of each request (residual at a rejection, else bonus).
     final = torch.empty(num_reqs, dtype=torch.int64, device=dev)
-    for s in range(0, num_reqs, chunk):
+    fused_final = _fused_final(logits, draft_probs) if sampling.temperature_only else None
+    if fused_final is not None:  # three passes over one row per request, read in place
+        n = n_acc
+        is_res = n < num_drafts
+        slot = n.clamp(max=max(k - 1, 0))
+        pos = anchors + n + 1
+        u = torch.where(is_res, rng.uniform(seeds, pos, rounds, rng.RESIDUAL),
+                        rng.uniform(seeds, pos, rounds, rng.SAMPLE))  # fmt: skip
+        r = torch.arange(num_reqs, device=dev)
+        q_rows = None if draft_probs is None or k == 0 else prow * k + slot
+        fused_final(logits, (starts + n).clamp(0, max(num_rows - 1, 0)), sampling.temperature,
+                    u, GREEDY_EPS, final, is_res & (k > 0), weight[r, n.clamp(max=k)],
+                    safe_drafts[r, slot] if k > 0 else n, None if q_rows is None else
+                    draft_probs.view(-1, vocab), q_rows)  # fmt: skip
+        final = torch.where(greedy, argmax[r, n.clamp(max=k)], final)
+    for s in range(0, num_reqs if fused_final is None else 0, chunk):
         e = min(s + chunk, num_reqs)
         r = torch.arange(s, e, device=dev)
         n = n_acc[r]
@@ -233,6 +248,18 @@ def _fused_row_stats(logits: torch.Tensor):
     from dspark.sampling.row_stats_triton import draft_prob_and_argmax
 
     return draft_prob_and_argmax
+
+
+def _fused_final(logits: torch.Tensor, draft_probs: torch.Tensor | None):
+    """`softmax_sample_triton.sample_final` where fused kernels take these logits and the
+    drafts' laws can be read in place as [S * K, V] rows, else None."""
+    if logits.stride(-1) != 1 or fused_ops(logits) is None:
+        return None
+    if draft_probs is not None and not draft_probs.is_contiguous():
+        return None
+    from dspark.sampling.softmax_sample_triton import sample_final
+
+    return sample_final
 
 
 class _SamplingParams:

@@ -1,7 +1,8 @@
 """The one-pass draft probability and argmax (dspark.sampling.row_stats_triton) against the
 torch path it replaces in verification: processed_probs(logits, T) gathered at the draft
 token, and logits.argmax. Random logits (never zeros), ragged temperatures with greedy rows,
--inf columns, ties, many chunks per row; and `verify` with and without the kernel: identical
+-inf columns, ties, many chunks per row. Then `verify` and plain sampling with and without
+their kernels (this one and softmax_sample_triton's final-token and plain draws): identical
 accepted lengths and tokens on the same keyed uniforms away from rounding boundaries."""
 
 import pytest
@@ -47,7 +48,7 @@ def test_matches_the_torch_path(dtype, rows, vocab):
     assert p[0].item() == 1.0 and (rows < 3 or p[2].item() == 0.0)
 
 
-def _verify_inputs(num_reqs, k, vocab, gen, dev):
+def _verify_inputs(num_reqs, k, vocab, gen, dev, point_mass=False):
     lengths = torch.randint(0, k + 1, (num_reqs,), generator=gen)
     cu = torch.zeros(num_reqs + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths + 1, 0)
@@ -64,16 +65,21 @@ def _verify_inputs(num_reqs, k, vocab, gen, dev):
     temperature[0] = 0.0
     return verify_mod.VerifyInputs(
         target_logits=logits.to(dev), cu_num_logits=cu.to(dev), draft_token_ids=drafts.to(dev),
-        draft_probs=probs.to(dev), temperature=temperature.to(dev), top_k=None, top_p=None,
+        draft_probs=None if point_mass else probs.to(dev), temperature=temperature.to(dev),
+        top_k=None, top_p=None,
         min_p=None, seeds=torch.arange(num_reqs, dtype=torch.int64, device=dev) * 7 + 3,
         anchor_positions=torch.randint(5, 50, (num_reqs,), generator=gen).to(dev),
         rounds=torch.randint(0, 9, (num_reqs,), generator=gen).to(dev),
     )  # fmt: skip
 
 
-def test_verify_takes_the_kernel_and_decides_the_same(monkeypatch):
-    """`verify` (standard method, temperature only) routes its per-row pass through the
-    kernel when fused ops are on, and accepts and emits the same tokens as the torch path."""
+@pytest.mark.parametrize("method,point_mass", [("standard", False), ("standard", True),
+                                               ("block", False)])
+def test_verify_takes_the_kernels_and_decides_the_same(monkeypatch, method, point_mass):
+    """`verify` (temperature only) routes its per-row pass (standard method) and its final
+    tokens (both methods: residuals against the drafts' laws or point masses, bonus rows)
+    through the kernels when fused ops are on, and accepts and emits the same tokens as the
+    torch path."""
     calls = []
     real = verify_mod._fused_row_stats
 
@@ -84,20 +90,27 @@ def test_verify_takes_the_kernel_and_decides_the_same(monkeypatch):
 
     monkeypatch.setattr(verify_mod, "_fused_row_stats", spy)
     gen = torch.Generator().manual_seed(11)
+    finals = []
+    monkeypatch.setattr(verify_mod, "_fused_final",
+                        lambda *a, real=verify_mod._fused_final: finals.append(1) or real(*a))
+    rejected = 0
     for _ in range(3):
-        inp = _verify_inputs(6, 4, 97, gen, DEVICE)
+        inp = _verify_inputs(6, 4, 97, gen, DEVICE, point_mass)
         monkeypatch.setattr(ops, "ON_CPU", False)
-        want = verify_mod.verify(inp) if DEVICE == "cpu" else None
+        want = verify_mod.verify(inp, method) if DEVICE == "cpu" else None
         monkeypatch.setattr(ops, "ON_CPU", True)
-        got = verify_mod.verify(inp)
+        got = verify_mod.verify(inp, method)
         if want is None:  # CUDA: the torch path with fused ops off
             monkeypatch.setattr(ops, "ENABLED", False)
-            want = verify_mod.verify(inp)
+            want = verify_mod.verify(inp, method)
             monkeypatch.setattr(ops, "ENABLED", True)
         assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(),
                                                                         want[1].cpu())
         assert int(got[1].sum()) > 6  # some drafts were accepted
-    assert True in calls and False in calls  # both paths ran
+        lengths = (inp.cu_num_logits[1:] - inp.cu_num_logits[:-1] - 1).cpu()
+        rejected += int((got[1].cpu() - 1 < lengths).sum())  # final token from a residual
+    assert rejected > 0 and finals
+    assert (True in calls and False in calls) or method == "block"  # both paths ran
 
 
 def test_other_filters_and_block_keep_the_torch_path(monkeypatch):
@@ -111,7 +124,32 @@ def test_other_filters_and_block_keep_the_torch_path(monkeypatch):
     verify_mod.verify(inp)
     inp.top_p = None
     verify_mod.verify(inp, method="block")
-    assert seen == []  # neither asked for the kernel
+    assert seen == []  # neither asked for the per-row kernel
+
+
+def test_plain_sampling_takes_the_kernel_and_draws_the_same(monkeypatch):
+    """sample_tokens with temperature alone draws through the fused softmax + inverse CDF
+    and gives the torch path's tokens (greedy rows among them)."""
+    from dspark.sampling.sampler import sample_tokens
+
+    gen = torch.Generator().manual_seed(2)
+    n, r, vocab = 9, 4, 300
+    logits = (torch.randn(n, vocab, generator=gen) * 2).to(DEVICE)
+    row = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3, 3], device=DEVICE)
+    temperature = torch.tensor([0.7, 0.0, 1.0, 1.6], device=DEVICE)
+    args = (logits, row, torch.arange(n, device=DEVICE) + 40, temperature, None, None, None,
+            torch.arange(r, device=DEVICE) * 5 + 1, torch.zeros(r, dtype=torch.int64,
+                                                                device=DEVICE), False)  # fmt: skip
+    monkeypatch.setattr(ops, "ON_CPU", False)
+    want = sample_tokens(*args)
+    monkeypatch.setattr(ops, "ON_CPU", True)
+    import dspark.sampling.softmax_sample_triton as kernel
+
+    calls, real = [], kernel.sample_softmax
+    monkeypatch.setattr(kernel, "sample_softmax", lambda *a, **k: calls.append(1) or real(*a))
+    got = sample_tokens(*args)
+    assert calls and torch.equal(got.cpu(), want.cpu())
+    assert torch.equal(got[2:5].cpu(), logits[2:5].argmax(-1).cpu())  # request 1 is greedy
 
 
 @cuda_only
