@@ -33,6 +33,12 @@ cu, on device. Two passes, both in chunks of at most `max_chunk_rows` rows so th
      of the emitted final token is rebuilt and sampled.
 No Python loop over requests or tokens, no host synchronisation (loops are over chunks,
 whose count follows from shapes, and over the K draft slots).
+
+With temperature as the only filter (no top-k / top-p / min-p in the batch) and fused kernels
+on (CUDA), no [rows, V] probabilities are made: pass 1 of the standard method reads each row
+once for p_t(d) and the argmax (`row_stats_triton`), and pass 2 of both methods draws the
+final token from the row read in place, its residual against the draft's law read in place
+(`softmax_sample_triton.sample_final`). Same decisions up to fp32 rounding of the sums.
 """
 
 from __future__ import annotations
@@ -186,7 +192,8 @@ def verify(
         u = torch.where(is_res, rng.uniform(seeds, pos, rounds, rng.RESIDUAL),
                         rng.uniform(seeds, pos, rounds, rng.SAMPLE))  # fmt: skip
         r = torch.arange(num_reqs, device=dev)
-        q_rows = None if draft_probs is None or k == 0 else prow * k + slot
+        q_rows = (None if draft_probs is None or k == 0
+                  else prow * draft_probs.shape[1] + slot)  # fmt: skip
         fused_final(logits, (starts + n).clamp(0, max(num_rows - 1, 0)), sampling.temperature,
                     u, GREEDY_EPS, final, is_res & (k > 0), weight[r, n.clamp(max=k)],
                     safe_drafts[r, slot] if k > 0 else n, None if q_rows is None else

@@ -48,7 +48,7 @@ def test_matches_the_torch_path(dtype, rows, vocab):
     assert p[0].item() == 1.0 and (rows < 3 or p[2].item() == 0.0)
 
 
-def _verify_inputs(num_reqs, k, vocab, gen, dev, point_mass=False):
+def _verify_inputs(num_reqs, k, vocab, gen, dev, point_mass=False, buffer=False):
     lengths = torch.randint(0, k + 1, (num_reqs,), generator=gen)
     cu = torch.zeros(num_reqs + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths + 1, 0)
@@ -63,6 +63,12 @@ def _verify_inputs(num_reqs, k, vocab, gen, dev, point_mass=False):
                 drafts[r, j] = logits[int(cu[r]) + j].argmax()
     temperature = torch.rand(num_reqs, generator=gen) + 0.3
     temperature[0] = 0.0
+    draft_rows = None
+    if buffer:  # the drafts' laws in a per-request buffer of more rows, in another order
+        draft_rows = torch.randperm(num_reqs + 3, generator=gen)[:num_reqs]
+        full = torch.full((num_reqs + 3, k, vocab), float("nan"))
+        full[draft_rows] = probs
+        probs = full
     return verify_mod.VerifyInputs(
         target_logits=logits.to(dev), cu_num_logits=cu.to(dev), draft_token_ids=drafts.to(dev),
         draft_probs=None if point_mass else probs.to(dev), temperature=temperature.to(dev),
@@ -70,12 +76,14 @@ def _verify_inputs(num_reqs, k, vocab, gen, dev, point_mass=False):
         min_p=None, seeds=torch.arange(num_reqs, dtype=torch.int64, device=dev) * 7 + 3,
         anchor_positions=torch.randint(5, 50, (num_reqs,), generator=gen).to(dev),
         rounds=torch.randint(0, 9, (num_reqs,), generator=gen).to(dev),
+        draft_rows=None if draft_rows is None else draft_rows.to(dev),
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("method,point_mass", [("standard", False), ("standard", True),
-                                               ("block", False)])
-def test_verify_takes_the_kernels_and_decides_the_same(monkeypatch, method, point_mass):
+@pytest.mark.parametrize("method,point_mass,buffer", [
+    ("standard", False, False), ("standard", True, False), ("standard", False, True),
+    ("block", False, False)])  # fmt: skip
+def test_verify_takes_the_kernels_and_decides_the_same(monkeypatch, method, point_mass, buffer):
     """`verify` (temperature only) routes its per-row pass (standard method) and its final
     tokens (both methods: residuals against the drafts' laws or point masses, bonus rows)
     through the kernels when fused ops are on, and accepts and emits the same tokens as the
@@ -95,7 +103,7 @@ def test_verify_takes_the_kernels_and_decides_the_same(monkeypatch, method, poin
                         lambda *a, real=verify_mod._fused_final: finals.append(1) or real(*a))
     rejected = 0
     for _ in range(3):
-        inp = _verify_inputs(6, 4, 97, gen, DEVICE, point_mass)
+        inp = _verify_inputs(6, 4, 97, gen, DEVICE, point_mass, buffer)
         monkeypatch.setattr(ops, "ON_CPU", False)
         want = verify_mod.verify(inp, method) if DEVICE == "cpu" else None
         monkeypatch.setattr(ops, "ON_CPU", True)
