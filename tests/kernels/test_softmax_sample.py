@@ -4,6 +4,8 @@ sample_from_probs at the same uniform. Random logits (never zeros), greedy rows 
 -inf columns, a tie, a uniform at the top edge, many chunks per row (small column blocks
 under the interpreter); then the drafter's probabilistic proposals with and without it."""
 
+import functools
+
 import pytest
 import torch
 
@@ -123,3 +125,70 @@ def test_qwen_vocabulary_on_cuda():
                    probs)  # fmt: skip
     torch.testing.assert_close(probs.cpu(), want_p, rtol=2e-5, atol=1e-9)
     assert torch.equal(tokens.cpu(), want_tok)
+
+
+def _torch_sample_softmax(base, bias, temperature, u, eps, tokens, probs=None, block=None):
+    """The torch path the kernel replaces (its reference in the engine test below)."""
+    logits = base.float() if bias is None else base.float() + bias.float()
+    law = processed_probs(logits, temperature)
+    tokens.copy_(sample_from_probs(law, u))
+    if probs is not None:
+        probs.copy_(law)
+
+
+@pytest.mark.parametrize("spec", [None, "probabilistic"])
+def test_an_engine_samples_the_same_through_the_kernels(tiny_qwen, tmp_path, monkeypatch,
+                                                        spec):  # fmt: skip
+    """An engine at T = 1 (plain sampling; or probabilistic drafts, verification with
+    residuals) gives the same tokens with the sampling kernels as with the torch paths they
+    replace: the engine's buffers, row indices and strides reach the kernels as they expect.
+    Only the sampling call sites are opened to the interpreter (the model runs its torch
+    code in both runs)."""
+    if HAS_CUDA:
+        pytest.skip("CPU engine through the interpreter; CUDA runs the engine tests")
+    import dspark.sampling.softmax_sample_triton as kernel
+    import dspark.spec.verify as verify_mod
+    from dspark import LLM, SamplingParams
+    from dspark.testing.drafters import make_tiny_drafter
+
+    cfg = None
+    if spec is not None:
+        cfg = {"model": make_tiny_drafter(str(tmp_path / "d"), tiny_qwen, seed=7),
+               "num_speculative_tokens": 3, "draft_sample_method": spec}  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(3 + i, 19 + i))} for i in range(3)]
+    params = [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True, seed=s)
+              for t, s in ((1.0, 1), (0.7, 2), (0.0, 3))]  # fmt: skip
+    import dspark.models.dspark_drafter as drafter_mod
+    import dspark.sampling.sampler as sampler_mod
+
+    for mod in (sampler_mod, drafter_mod, verify_mod):  # the sampling call sites' gates
+        monkeypatch.setattr(mod, "fused_ops", lambda *tensors: ops)
+    used = []  # the verification kernels each gate handed out
+
+    def spy(*a, real, name):
+        fn = real(*a)
+        if fn is not None:
+            used.append(name)
+        return fn
+
+    for name in ("_fused_row_stats", "_fused_final"):
+        monkeypatch.setattr(verify_mod, name, functools.partial(
+            spy, real=getattr(verify_mod, name), name=name))  # fmt: skip
+
+    def run():
+        llm = LLM(tiny_qwen, speculative_config=cfg, device="cpu", enforce_eager=True)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        accepted = llm.engine.spec_stats.num_accepted_tokens if cfg else None
+        llm.shutdown()
+        return outs, accepted
+
+    calls, real = [], kernel.sample_softmax
+    monkeypatch.setattr(kernel, "sample_softmax", lambda *a, **k: calls.append(1) or real(*a))
+    fused = run()
+    assert calls  # the sampler (and the drafter) took the kernel
+    if cfg is not None:  # verification took its kernels, and drafts were accepted
+        assert {"_fused_row_stats", "_fused_final"} <= set(used) and fused[1] > 0
+    monkeypatch.setattr(kernel, "sample_softmax", _torch_sample_softmax)
+    monkeypatch.setattr(verify_mod, "_fused_row_stats", lambda *a: None)
+    monkeypatch.setattr(verify_mod, "_fused_final", lambda *a: None)
+    assert run() == fused
