@@ -1,4 +1,4 @@
-"""`triton.jit` options shared by the kernels (imported only by modules that import triton).
+"""`triton.jit` options and grid sizing shared by the kernels (imported only with triton).
 
 Triton compiles one variant of a kernel per specialisation of its arguments: an integer equal
 to 1 or divisible by 16, a pointer aligned to 16 bytes. For arguments that vary from step to
@@ -24,3 +24,19 @@ def unspecialized(*names: str) -> dict:
     if _HAS_ALIGNMENT_SWITCH:
         opts["do_not_specialize_on_alignment"] = list(names)
     return opts
+
+
+# (row, chunk) grids over a vocabulary: enough programs in flight for a memory-bound pass
+_TARGET_PROGRAMS = 528  # ~4 per SM on an H200
+_MAX_CHUNKS = 64
+
+
+def vocab_chunks(rows: int, vocab: int, block: int) -> tuple[int, int, int]:
+    """(block, chunk, num_chunks) for kernels that split each of `rows` rows of `vocab`
+    columns into chunks of whole `block`-column loads, one program per (row, chunk): about
+    _TARGET_PROGRAMS programs in all, at most _MAX_CHUNKS per row."""
+    block = min(block, triton.next_power_of_2(vocab))
+    want = max(1, -(-_TARGET_PROGRAMS // max(rows, 1)))
+    num_chunks = max(1, min(want, triton.cdiv(vocab, block), _MAX_CHUNKS))
+    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
+    return block, chunk, triton.cdiv(vocab, chunk)

@@ -15,10 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.triton_jit import unspecialized
+from dspark.triton_jit import unspecialized, vocab_chunks
 
 _BLOCK = 2048  # columns per load
-_TARGET_PROGRAMS = 528  # ~4 per SM on an H200: enough loads in flight for a memory-bound pass
 
 
 @triton.jit(**unspecialized("stride_base", "stride_bias"))
@@ -69,11 +68,7 @@ def biased_argmax(base: torch.Tensor, bias: torch.Tensor | None, out: torch.Tens
         assert bias.shape == base.shape and bias.stride(1) == 1
     if rows == 0:
         return
-    block = min(block, triton.next_power_of_2(vocab))
-    want = max(1, -(-_TARGET_PROGRAMS // rows))
-    num_chunks = max(1, min(want, triton.cdiv(vocab, block), 64))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk)
+    block, chunk, num_chunks = vocab_chunks(rows, vocab, block)
     part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=base.device)
     part_idx = torch.empty(rows, num_chunks, dtype=torch.int64, device=base.device)
     _chunk_argmax_kernel[(rows, num_chunks)](

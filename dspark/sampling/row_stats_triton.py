@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.triton_jit import unspecialized
+from dspark.triton_jit import unspecialized, vocab_chunks
 
 _BLOCK = 2048  # columns per load
-_TARGET_PROGRAMS = 528  # ~4 per SM on an H200
 
 
 @triton.jit(**unspecialized("stride"))
@@ -108,11 +107,7 @@ def draft_prob_and_argmax(logits: torch.Tensor, temperature: torch.Tensor, token
     amax = torch.empty(rows, dtype=torch.int64, device=dev)
     if rows == 0:
         return p, amax
-    block = min(block, triton.next_power_of_2(vocab))
-    want = max(1, -(-_TARGET_PROGRAMS // rows))
-    num_chunks = max(1, min(want, triton.cdiv(vocab, block), 64))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk)
+    block, chunk, num_chunks = vocab_chunks(rows, vocab, block)
     part = torch.empty(rows, num_chunks, 4, dtype=torch.float32, device=dev)
     idx = torch.empty(rows, num_chunks, dtype=torch.int64, device=dev)
     temperature = temperature.to(dev, torch.float32).contiguous()

@@ -33,10 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.triton_jit import unspecialized
+from dspark.triton_jit import unspecialized, vocab_chunks
 
 _BLOCK = 2048  # columns per load
-_TARGET_PROGRAMS = 528  # ~4 per SM on an H200
 
 
 @triton.jit
@@ -244,11 +243,7 @@ def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, 
     if n == 0:
         return
     dev = base.device
-    block = min(block, triton.next_power_of_2(vocab))
-    want = max(1, -(-_TARGET_PROGRAMS // n))
-    num_chunks = max(1, min(want, triton.cdiv(vocab, block), 64))
-    chunk = triton.cdiv(triton.cdiv(vocab, num_chunks), block) * block
-    num_chunks = triton.cdiv(vocab, chunk)
+    block, chunk, num_chunks = vocab_chunks(n, vocab, block)
     block_c = triton.next_power_of_2(num_chunks)
     part = torch.empty(n, num_chunks, 3, dtype=torch.float32, device=dev)
     tot = torch.empty(n, num_chunks, 2, dtype=torch.float64, device=dev)
