@@ -93,7 +93,7 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
     GEMM, k_norm, RoPE and KV write, after: drafter_context.py); the lagged policy's
     allocation over `num_tokens` requests x 7 drafts (before: the torch sort, after: one
     launch); sampled verification of `num_tokens` requests x 7 drafts (before: full-vocabulary
-    probabilities of every row, after: row_stats_triton)."""
+    probabilities of every row, after: softmax_sample_triton)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_shape_dirs import QWEN3_8B, drafter_config
 

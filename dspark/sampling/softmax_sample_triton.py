@@ -1,12 +1,14 @@
-"""A probabilistic draft slot in three small passes: softmax((base + bias) / T), its row
-written out for verification, and one token drawn by inverse CDF with the slot's uniform.
+"""Sampling reads of vocabulary rows in a few small passes, with no [rows, V] fp32 tensor.
+
+A probabilistic draft slot: softmax((base + bias) / T), its row written out for
+verification, and one token drawn by inverse CDF with the slot's uniform.
 
 The drafter's sequential stage does this once per slot. In torch it is ~12 passes over [R, V]
 fp32 (upcast, add the Markov bias, max, scale, softmax, a one-hot select for greedy rows,
 the two-level inverse CDF, the copy into the probabilities buffer): at a 152k vocabulary and
 256 rows, 156 MB a pass, ~13 GB for the 7 slots of one step. Here:
   1. (row, chunk) programs: running max of x = (base + bias) / T and sum of exp(x - max),
-     the first index of the maximum (greedy rows);
+     the maximum of base + bias and its first index (greedy rows);
   2. (row, chunk) programs: the row's max M and sum S from the chunks' partials,
      p = exp(x - M) / S stored, the chunk's total in fp64;
   3. one program per row: the chunk where the fp64 running total first exceeds u * total,
@@ -15,6 +17,12 @@ the two-level inverse CDF, the copy into the probabilities buffer): at a 152k vo
      stored row is one-hot there, as `processed_probs` gives.
 The law is the stored row's, so verification's residual uses exactly the distribution the
 token was drawn from.
+
+`draft_prob_and_argmax` gives sampled verification's per-row scalars (the draft token's
+probability and the argmax) from pass 1 alone: the torch path ran `processed_probs` over every
+row, ~8 fp32 passes. On the H200 a sampled verify step of the demo pair at 256 requests
+spent 3.5 ms on the device, most of it in such full-vocabulary elementwise kernels, where a
+plain step spent 0.43 ms (sixteenth session, kernel table).
 
 `sample_final` draws verification's final token of each request the same way: the target
 row at each request's stop (read in place through a row index), and where a draft was
@@ -39,14 +47,22 @@ _BLOCK = 2048  # columns per load
 
 
 @triton.jit
+def _logits(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias,
+            HAS_BIAS: tl.constexpr):  # fmt: skip
+    """float(base) + float(bias) at `cols` of a row (-inf where masked)."""
+    lg = tl.load(base_ptr + brow * stride_base + cols, mask=ok, other=float("-inf"))
+    lg = lg.to(tl.float32)
+    if HAS_BIAS:
+        lg += tl.load(bias_ptr + row.to(tl.int64) * stride_bias + cols, mask=ok,
+                      other=0.0).to(tl.float32)  # fmt: skip
+    return lg
+
+
+@triton.jit
 def _x(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias, t,
        HAS_BIAS: tl.constexpr):  # fmt: skip
-    x = tl.load(base_ptr + brow * stride_base + cols, mask=ok, other=float("-inf"))
-    x = x.to(tl.float32)
-    if HAS_BIAS:
-        x += tl.load(bias_ptr + row.to(tl.int64) * stride_bias + cols, mask=ok,
-                     other=0.0).to(tl.float32)  # fmt: skip
-    return x / t
+    return _logits(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias,
+                   HAS_BIAS) / t
 
 
 @triton.jit
@@ -59,15 +75,18 @@ def _base_row(rows_ptr, row, HAS_ROWS: tl.constexpr):
 
 @triton.jit
 def _row_law(part_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
-    """(max M, sum S of exp(x - M), first argmax) of a row from its chunks' partials."""
+    """(max M, sum S of exp(x - M), first argmax of the logits) of a row from its chunks'
+    partials (_stats_kernel: max of x, sum, max of the logits and its first index)."""
     cs = tl.arange(0, BLOCK_C)
     ok = cs < num_chunks
-    part = part_ptr + (row * num_chunks + cs) * 3
+    part = part_ptr + (row * num_chunks + cs) * 4
     m = tl.load(part, mask=ok, other=float("-inf"))
     s = tl.load(part + 1, mask=ok, other=0.0)
-    idx = tl.load(part + 2, mask=ok, other=0.0).to(tl.int64)
+    best = tl.load(part + 2, mask=ok, other=float("-inf"))
+    idx = tl.load(part + 3, mask=ok, other=0.0).to(tl.int64)
     big = tl.max(m, axis=0)
-    amax = tl.sum(tl.where(cs == tl.argmax(m, axis=0, tie_break_left=True), idx, 0), axis=0)
+    win = tl.argmax(best, axis=0, tie_break_left=True)  # chunks are in column order
+    amax = tl.sum(tl.where(cs == win, idx, 0), axis=0)
     big = tl.where(big == float("-inf"), 0.0, big)  # (a row of -inf only)
     return big, tl.sum(s * tl.exp(m - big), axis=0), amax
 
@@ -99,24 +118,30 @@ def _stats_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, part_ptr, stride_base,
     t = tl.load(temp_ptr + row)
     t = tl.where(t <= eps, 1.0, t)
     start = c * chunk
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.full((), 0.0, tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)  # running max of x = logit / T
+    s = tl.full((), 0.0, tl.float32)  # sum of exp(x - m)
+    best = tl.full((), float("-inf"), tl.float32)  # logit max and its first index
     best_idx = tl.full((), 0, tl.int64) + start
     for off in range(0, chunk, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
         ok = (cols < vocab) & (cols < start + chunk)
-        x = _x(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias, t, HAS_BIAS)
-        bm = tl.max(x, axis=0)
-        bi = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start + off
-        best_idx = tl.where(bm > m, bi, best_idx)  # strictly: the first maximum wins
-        m_new = tl.maximum(m, bm)
+        lg = _logits(base_ptr, bias_ptr, brow, row, cols, ok, stride_base, stride_bias,
+                     HAS_BIAS)  # fmt: skip
+        bm = tl.max(lg, axis=0)
+        bi = tl.argmax(lg, axis=0, tie_break_left=True).to(tl.int64) + start + off
+        best_idx = tl.where(bm > best, bi, best_idx)  # strictly: the first maximum wins
+        best = tl.maximum(best, bm)
+        x = lg / t
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        # (all -inf so far: s stays 0; a finite stand-in avoids exp(-inf - -inf) = nan)
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - ref) + tl.sum(tl.exp(x - ref), axis=0)
         m = m_new
-    out = part_ptr + (row * num_chunks + c) * 3
+    out = part_ptr + (row * num_chunks + c) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
-    tl.store(out + 2, best_idx.to(tl.float32))  # (exact: vocabularies are < 2**24)
+    tl.store(out + 2, best)
+    tl.store(out + 3, best_idx.to(tl.float32))  # (exact: vocabularies are < 2**24)
 
 
 @triton.jit
@@ -235,6 +260,52 @@ def _pick_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, u_ptr, part_ptr, tot_pt
     tl.store(out_ptr + row * stride_out, tl.where(greedy, amax, tok))
 
 
+@triton.jit
+def _draft_prob_kernel(logits_ptr, temp_ptr, tok_ptr, part_ptr, p_ptr, arg_ptr, stride,
+                       num_chunks, eps, BLOCK_C: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    greedy = t <= eps
+    t = tl.where(greedy, 1.0, t)
+    big, total, amax = _row_law(part_ptr, row, num_chunks, BLOCK_C)
+    tok = tl.load(tok_ptr + row)
+    xd = tl.load(logits_ptr + row.to(tl.int64) * stride + tok).to(tl.float32) / t
+    p = tl.where(total > 0, tl.exp(xd - big) / total, 0.0)  # (a row of -inf only: 0)
+    p = tl.where(greedy, tl.where(tok == amax, 1.0, 0.0), p)
+    tl.store(p_ptr + row, p)
+    tl.store(arg_ptr + row, amax)
+
+
+def draft_prob_and_argmax(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor,
+                          eps: float, block: int = _BLOCK):  # fmt: skip
+    """What sampled verification reads of each target row: (p [N] fp32, argmax [N] int64),
+    p[i] = softmax(logits[i] / T_i)[tokens[i]] (greedy rows, T_i <= eps: 1 if tokens[i] is
+    the argmax, else 0), argmax[i] of logits[i] (first index on ties). Pass 1 above, then one
+    program per row combines the chunks and reads the token's logit: no [N, V] probabilities.
+    logits [N, V] with unit stride along V; temperature [N] fp32; tokens [N] int64 in
+    [0, V). `block`: columns per load (tests make it small to cover many chunks)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1
+    dev = logits.device
+    p = torch.empty(rows, dtype=torch.float32, device=dev)
+    amax = torch.empty(rows, dtype=torch.int64, device=dev)
+    if rows == 0:
+        return p, amax
+    block, chunk, num_chunks = vocab_chunks(rows, vocab, block)
+    part = torch.empty(rows, num_chunks, 4, dtype=torch.float32, device=dev)
+    temperature = temperature.to(dev, torch.float32).contiguous()
+    tokens = tokens.to(dev, torch.int64).contiguous()
+    _stats_kernel[(rows, num_chunks)](
+        logits, logits, logits, temperature, part, logits.stride(0), 0, vocab, chunk,
+        num_chunks, float(eps), HAS_BIAS=False, HAS_ROWS=False, BLOCK=block,
+        num_warps=8 if block >= 1024 else 4,
+    )  # fmt: skip
+    _draft_prob_kernel[(rows,)](logits, temperature, tokens, part, p, amax, logits.stride(0),
+                                num_chunks, float(eps),
+                                BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1)
+    return p, amax
+
+
 def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, w, res,
             block):  # fmt: skip
     """The three passes over `tokens.shape[0]` rows (see sample_softmax / sample_final)."""
@@ -245,7 +316,7 @@ def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, 
     dev = base.device
     block, chunk, num_chunks = vocab_chunks(n, vocab, block)
     block_c = triton.next_power_of_2(num_chunks)
-    part = torch.empty(n, num_chunks, 3, dtype=torch.float32, device=dev)
+    part = torch.empty(n, num_chunks, 4, dtype=torch.float32, device=dev)
     tot = torch.empty(n, num_chunks, 2, dtype=torch.float64, device=dev)
     temperature = temperature.to(dev, torch.float32).contiguous()
     u = u.to(dev, torch.float64).contiguous()

@@ -35,10 +35,11 @@ No Python loop over requests or tokens, no host synchronisation (loops are over 
 whose count follows from shapes, and over the K draft slots).
 
 With temperature as the only filter (no top-k / top-p / min-p in the batch) and fused kernels
-on (CUDA), no [rows, V] probabilities are made: pass 1 of the standard method reads each row
-once for p_t(d) and the argmax (`row_stats_triton`), and pass 2 of both methods draws the
-final token from the row read in place, its residual against the draft's law read in place
-(`softmax_sample_triton.sample_final`). Same decisions up to fp32 rounding of the sums.
+on (CUDA), no [rows, V] probabilities are made (`softmax_sample_triton`): pass 1 of the
+standard method reads each row for p_t(d) and the argmax (`draft_prob_and_argmax`), and
+pass 2 of both methods draws the final token from the row read in place, its residual
+against the draft's law read in place (`sample_final`). Same decisions up to fp32 rounding
+of the sums.
 """
 
 from __future__ import annotations
@@ -248,11 +249,11 @@ def _map_rows(
 
 
 def _fused_row_stats(logits: torch.Tensor):
-    """`row_stats_triton.draft_prob_and_argmax` where fused kernels take these logits (CUDA,
+    """`softmax_sample_triton.draft_prob_and_argmax` where fused kernels take these logits (CUDA,
     DSPARK_FUSED_OPS on; tests: the interpreter), else None."""
     if logits.stride(-1) != 1 or fused_ops(logits) is None:
         return None
-    from dspark.sampling.row_stats_triton import draft_prob_and_argmax
+    from dspark.sampling.softmax_sample_triton import draft_prob_and_argmax
 
     return draft_prob_and_argmax
 

@@ -1,9 +1,10 @@
-"""The one-pass draft probability and argmax (dspark.sampling.row_stats_triton) against the
-torch path it replaces in verification: processed_probs(logits, T) gathered at the draft
-token, and logits.argmax. Random logits (never zeros), ragged temperatures with greedy rows,
--inf columns, ties, many chunks per row. Then `verify` and plain sampling with and without
-their kernels (this one and softmax_sample_triton's final-token and plain draws): identical
-accepted lengths and tokens on the same keyed uniforms away from rounding boundaries."""
+"""The draft probability and argmax of every row (softmax_sample_triton's
+draft_prob_and_argmax) against the torch path it replaces in verification:
+processed_probs(logits, T) gathered at the draft token, and logits.argmax. Random logits
+(never zeros), ragged temperatures with greedy rows, -inf columns, ties, many chunks per row.
+Then `verify` and plain sampling with and without their kernels (this one and the module's
+final-token and plain draws): identical accepted lengths and tokens on the same keyed
+uniforms away from rounding boundaries."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ DEVICE, HAS_CUDA, INTERPRET, cuda_only, ops = (env.DEVICE, env.HAS_CUDA, env.INT
                                                env.cuda_only, env.ops)  # fmt: skip
 
 from dspark.sampling.processors import GREEDY_EPS, processed_probs  # noqa: E402
-from dspark.sampling.row_stats_triton import draft_prob_and_argmax  # noqa: E402
+from dspark.sampling.softmax_sample_triton import draft_prob_and_argmax  # noqa: E402
 from dspark.spec import verify as verify_mod  # noqa: E402
 
 BLOCK = 64 if INTERPRET else 2048
