@@ -127,14 +127,17 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
     caps = torch.full((num_tokens,), 7, device=DEV)
     budget = torch.tensor(num_tokens * 3, device=DEV)
 
-    def allocation(triton_on: bool):
+    def fused_or_not(fn, triton_on: bool):  # fn with the fused kernels on or off
         def run():
             triton_ops.ENABLED = triton_on
             try:
-                return allocate_top_b(conf, caps, budget)
+                return fn()
             finally:
                 triton_ops.ENABLED = True
         return run
+
+    def allocation(triton_on: bool):
+        return fused_or_not(lambda: allocate_top_b(conf, caps, budget), triton_on)
 
     # a target layer's q/k norm + RoPE, then its KV write; after: stored by the rotary kernel
     qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=DEV, dtype=dtype)
@@ -162,13 +165,7 @@ def build_step_ops(num_tokens: int, dtype: torch.dtype) -> dict:
     )  # fmt: skip
 
     def sampled_verify(triton_on: bool):
-        def run():
-            triton_ops.ENABLED = triton_on
-            try:
-                return verify(vin)
-            finally:
-                triton_ops.ENABLED = True
-        return run
+        return fused_or_not(lambda: verify(vin), triton_on)
 
     # one probabilistic draft slot (T = 1) over the 8B vocabulary: the drafter's torch path
     # (upcast, bias, softmax, inverse CDF, copy into the [R, K, V] buffer) against one kernel

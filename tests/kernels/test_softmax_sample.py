@@ -129,9 +129,8 @@ def test_qwen_vocabulary_on_cuda():
 
 def _torch_sample_softmax(base, bias, temperature, u, eps, tokens, probs=None, block=None):
     """The torch path the kernel replaces (its reference in the engine test below)."""
-    logits = base.float() if bias is None else base.float() + bias.float()
-    law = processed_probs(logits, temperature)
-    tokens.copy_(sample_from_probs(law, u))
+    law, tok = reference(base, bias, temperature, u)
+    tokens.copy_(tok)
     if probs is not None:
         probs.copy_(law)
 
