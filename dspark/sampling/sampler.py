@@ -9,6 +9,16 @@ from dspark.sampling import rng
 from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
 
 
+def fused_sampling(logits: torch.Tensor):
+    """`softmax_sample_triton` where its kernels take these logits (CUDA with fused ops on,
+    rows of unit stride; tests: the interpreter), else None (the torch code)."""
+    if logits.stride(-1) != 1 or fused_ops(logits) is None:
+        return None
+    from dspark.sampling import softmax_sample_triton
+
+    return softmax_sample_triton
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [N, V]
     row: torch.Tensor,  # [N] int64: the step row owning each logits row
@@ -23,15 +33,12 @@ def sample_tokens(
 ) -> torch.Tensor:  # [N] int64
     if all_greedy:
         return logits.argmax(dim=-1)
-    if top_k is None and top_p is None and min_p is None and logits.stride(-1) == 1:
-        fused = fused_ops(logits)  # temperature alone: one fused softmax + draw (CUDA)
-        if fused is not None:
-            from dspark.sampling.softmax_sample_triton import sample_softmax
-
-            u = rng.uniform(seeds[row], next_pos, rounds[row], rng.SAMPLE)
-            out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-            sample_softmax(logits, None, temperature[row], u, GREEDY_EPS, out)
-            return out
+    kernels = fused_sampling(logits) if top_k is None and top_p is None and min_p is None else None
+    if kernels is not None:  # temperature alone: one fused softmax + draw
+        u = rng.uniform(seeds[row], next_pos, rounds[row], rng.SAMPLE)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        kernels.sample_softmax(logits, None, temperature[row], u, GREEDY_EPS, out)
+        return out
     probs = processed_probs(
         logits,
         temperature[row],

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.layers.norm import fused_ops
 from dspark.sampling import rng
 from dspark.sampling.processors import GREEDY_EPS, processed_probs, sample_from_probs
+from dspark.sampling.sampler import fused_sampling
 from dspark.spec import block_verify
 
 METHODS = ("standard", "block")
@@ -249,25 +249,18 @@ def _map_rows(
 
 
 def _fused_row_stats(logits: torch.Tensor):
-    """`softmax_sample_triton.draft_prob_and_argmax` where fused kernels take these logits (CUDA,
-    DSPARK_FUSED_OPS on; tests: the interpreter), else None."""
-    if logits.stride(-1) != 1 or fused_ops(logits) is None:
-        return None
-    from dspark.sampling.softmax_sample_triton import draft_prob_and_argmax
-
-    return draft_prob_and_argmax
+    """`draft_prob_and_argmax` where the fused sampling kernels take these logits, else None."""
+    kernels = fused_sampling(logits)
+    return None if kernels is None else kernels.draft_prob_and_argmax
 
 
 def _fused_final(logits: torch.Tensor, draft_probs: torch.Tensor | None):
-    """`softmax_sample_triton.sample_final` where fused kernels take these logits and the
-    drafts' laws can be read in place as [S * K, V] rows, else None."""
-    if logits.stride(-1) != 1 or fused_ops(logits) is None:
+    """`sample_final` where the fused sampling kernels take these logits and the drafts' laws
+    can be read in place as [S * K, V] rows, else None."""
+    kernels = fused_sampling(logits)
+    if kernels is None or (draft_probs is not None and not draft_probs.is_contiguous()):
         return None
-    if draft_probs is not None and not draft_probs.is_contiguous():
-        return None
-    from dspark.sampling.softmax_sample_triton import sample_final
-
-    return sample_final
+    return kernels.sample_final
 
 
 class _SamplingParams:
