@@ -92,8 +92,9 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
              "acceptance_ratio": series_by_label(text, RATIO_METRIC, "mode")}
     clock = {f"clock:{field}:{kind}": v for field, name in CLOCK_METRICS.items()
              for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
-    cpu = {f"cpu:{who}": v for who, name in CPU_METRICS.items()
-           for v in parse_prometheus(text, {name}).values()}  # fmt: skip
+    cpu_found = parse_prometheus(text, set(CPU_METRICS.values()))  # (one scan for both)
+    cpu = {f"cpu:{who}": cpu_found[name] for who, name in CPU_METRICS.items()
+           if name in cpu_found}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
         k: v for k, v in state.items() if v} | clock | cpu
