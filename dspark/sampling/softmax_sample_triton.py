@@ -6,7 +6,7 @@ verification, and one token drawn by inverse CDF with the slot's uniform.
 The drafter's sequential stage does this once per slot. In torch it is ~12 passes over [R, V]
 fp32 (upcast, add the Markov bias, max, scale, softmax, a one-hot select for greedy rows,
 the two-level inverse CDF, the copy into the probabilities buffer): at a 152k vocabulary and
-256 rows, 156 MB a pass, ~13 GB for the 7 slots of one step. Here:
+256 rows, 156 MB a pass, ~13 GB for the 7 slots of one step (arithmetic, not measured). Here:
   1. (row, chunk) programs: running max of x = (base + bias) / T and sum of exp(x - max),
      the maximum of base + bias and its first index (greedy rows);
   2. (row, chunk) programs: the row's max M and sum S from the chunks' partials,
