@@ -262,6 +262,10 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
     with LLM(args.target, speculative_config=spec_cfg, load_format=args.load_format,
              max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
              max_num_batched_tokens=args.max_num_batched_tokens, **extra) as llm:  # fmt: skip
+        if arm.removesuffix("-sync") == "plain":
+            from host_step_cost import hold_plain
+
+            hold_plain(llm.engine.runner.spec)
         for conc in levels:
             lines, data = measure(llm, args, conc)
             title = f"### {arm} at concurrency {conc}"
@@ -315,6 +319,7 @@ def main() -> int:
         spec["synthetic_acceptance_rates"] = [float(x) for x in args.synthetic_rates.split(",")]
     arm_cfgs = {"nospec": None, "fixed": dict(spec, adaptive_policy="fixed"),
                 "adaptive": dict(spec, enable_adaptive_verification=True)}
+    arm_cfgs["plain"] = arm_cfgs["adaptive"]  # its drafting held off: adaptive's plain steps
     levels = [int(c) for c in args.concurrency.split(",")]
     results = {arm: run_arm(args, arm, arm_cfgs[arm.removesuffix("-sync")], levels)
                for arm in args.arms.split(",")}  # fmt: skip

@@ -45,6 +45,16 @@ def demo_spec(policy: str, always_draft: bool = True) -> dict | None:
     return spec
 
 
+def hold_plain(spec) -> None:
+    """An adaptive engine whose drafting decision always says plain decoding, with no probes:
+    every decode step is the adaptive engine's plain step."""
+    import dspark.spec.drafting as drafting
+
+    spec.drafting._pays = lambda *a, **k: False
+    spec.drafting.pays = spec.drafting.plain_probes = False
+    drafting._PROBE_EVERY = 1 << 30
+
+
 def prefill_all(engine, stub: StepGraphs | None = None) -> None:
     """Step until every request is past its prefill (prefill chunks run the model). With
     `stub` (from stub_device_work), the drafts' confidences are the stub's from then on."""
@@ -138,11 +148,7 @@ def main() -> int:
               speculative_config=demo_spec(args.policy, always_draft=not args.plain))
     runner = llm.engine.runner
     if args.plain:
-        import dspark.spec.drafting as drafting
-
-        runner.spec.drafting._pays = lambda *a, **k: False
-        runner.spec.drafting.plain_probes = False
-        drafting._PROBE_EVERY = 1 << 30
+        hold_plain(runner.spec)
     sg = stub_device_work(runner, device_ms=args.device_ms)
     llm.engine.stream_outputs = args.stream
     if args.deltas:
