@@ -184,14 +184,20 @@ def offline_checks(args) -> dict:
                 # lazily captured graphs) are not counted as per-step overhead
                 spec, stats = llm.engine.runner.spec, llm.engine.stats
                 plan0, alloc0 = spec.scheduler_overhead_ms()
+                parts0 = spec.overhead.snapshot()
                 step0, steps0 = stats["step_time_ms"], stats["steps"]
                 llm.generate(prompts, params)
                 plan_ms, alloc_ms = (b - a for a, b in zip((plan0, alloc0),
                                                            spec.scheduler_overhead_ms()))
+                parts = spec.overhead.snapshot()
                 step_ms = stats["step_time_ms"] - step0
                 overhead = {"plan_ms": plan_ms, "alloc_ms": alloc_ms, "step_ms": step_ms,
                             "steps": stats["steps"] - steps0,
-                            "fraction": (plan_ms + alloc_ms) / step_ms}  # fmt: skip
+                            "fraction": (plan_ms + alloc_ms) / step_ms,
+                            # (plans, ms) by part: decision / search / other
+                            "plan_by_part": {p: (parts["plans"][p] - parts0["plans"][p],
+                                                 parts["plan_ms"][p] - parts0["plan_ms"][p])
+                                             for p in parts["plans"]}}  # fmt: skip
     names = list(tokens)
     identical = None if args.synthetic_rates else all(tokens[n] == tokens[names[0]]
                                                       for n in names[1:])
@@ -331,6 +337,13 @@ def print_table(args, temps, results, checks, label) -> None:
                 f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}"
                                                           for x in STEP_KINDS)
                 for lvl, k in zip(levels, kinds)))  # fmt: skip
+        overheads = [r.get("scheduler_overhead") for r in results[(names[2], t)]["results"]]
+        if any(overheads):  # planning + allocation over each level, from the server's counters
+            print(f"{names[2]} scheduler overhead in serving (% of step time: plan + alloc us "
+                  "per step): " + ", ".join(
+                      f"c={lvl['max_concurrency']} {o['fraction']:.2%} ("
+                      f"{o['plan_ms_per_step'] * 1e3:.0f}+{o['alloc_ms_per_step'] * 1e3:.0f})"
+                      for lvl, o in zip(levels, overheads) if o))  # fmt: skip
         states = [decision_state(d, lvl["max_concurrency"], t) for lvl, d in zip(levels, deltas)]
         if any(states):  # what its drafting decision stood on at the end of each level
             print(f"{names[2]} learned fixed terms at the level's batch size (speculative / "
@@ -369,8 +382,10 @@ def print_table(args, temps, results, checks, label) -> None:
               f"({checks['num_prompts']} prompts; differing prompts vs the first arm: "
               f"{checks.get('mismatching_prompts')})")
     if o:
+        by_part = ", ".join(f"{p} {n} x {ms / n * 1e3:.0f} us" for p, (n, ms)
+                            in (o.get("plan_by_part") or {}).items() if n)  # fmt: skip
         print(f"scheduler overhead: plan {o['plan_ms']:.1f} ms + alloc {o['alloc_ms']:.1f} ms "
-              f"= {o['fraction']:.2%} of step time")
+              f"= {o['fraction']:.2%} of step time ({o['steps']} steps; plans: {by_part})")
 
 
 if __name__ == "__main__":

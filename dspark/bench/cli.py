@@ -142,6 +142,14 @@ def format_level_report(m: dict, percentiles: tuple[float, ...]) -> str:
     if cpu:  # a process near 1.0 core is a single-threaded bound on the level
         lines.append("host CPU (cores busy):    " + "  ".join(
             f"{who} {_fmt(v)}" for who, v in cpu.items()))  # fmt: skip
+    over = m.get("scheduler_overhead")
+    if over:  # an adaptive server's planning + allocation, against its steps' wall time
+        parts = ", ".join(f"{part} {v['plans']:.0f} x {v['ms_per_plan'] * 1e3:.0f}"
+                          for part, v in over["plan_by_part"].items())  # fmt: skip
+        lines.append(f"scheduler overhead:       {over['fraction'] * 100:.2f}% of step time "
+                     f"(plan {over['plan_ms_per_step'] * 1e3:.1f} + alloc "
+                     f"{over['alloc_ms_per_step'] * 1e3:.1f} us per {over['step_ms']:.2f} ms "
+                     f"step; plans x us: {parts})")
     for err in m["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)

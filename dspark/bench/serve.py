@@ -30,6 +30,7 @@ from dspark.bench.spec_stats import (
     clock_from_counters,
     fetch_spec_counters,
     host_cpu,
+    scheduler_overhead,
     spec_from_counters,
     spec_from_responses,
 )
@@ -318,6 +319,9 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             if clock is not None:  # (a server started with DSPARK_STEP_CLOCK=1)
                 m["step_clock"] = clock
             m["host_cpu"] = host_cpu(before, after, duration, client_cpu_s)
+            overhead = scheduler_overhead(before, after)
+            if overhead is not None:  # (an adaptive server)
+                m["scheduler_overhead"] = overhead
             results.append(m)
             if on_level is not None:
                 on_level(m)

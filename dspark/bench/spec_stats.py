@@ -31,6 +31,11 @@ CLOCK_METRICS = {"steps": "dspark_step_clock_steps_total",
                  "idle_ms": "dspark_step_device_idle_ms_total"}  # fmt: skip
 # CPU seconds of the server's process and of the process running the engine loop (counters)
 CPU_METRICS = {"server": "process_cpu_seconds_total", "engine": "dspark_engine_cpu_seconds_total"}
+# the adaptive policy's scheduler overhead (planning by part, allocation) and the engine's
+# steps, whose wall time is its denominator (counters)
+SCHED_METRICS = {"plan": "dspark_spec_plan_ms_total", "alloc": "dspark_spec_alloc_ms_total",
+                 "step_ms": "dspark_engine_step_ms_total", "steps": "dspark_engine_steps_total"}
+PLANS_METRIC = "dspark_spec_plans_total"
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -82,9 +87,15 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
             if resp.status != 200:
                 return None
             text = await resp.text()
-            found = parse_prometheus(text, set(SPEC_COUNTERS.values()))
     except Exception:  # noqa: BLE001 - metrics are optional
         return None
+    return counters_from_text(text)
+
+
+def counters_from_text(text: str) -> dict | None:
+    """The counters `fetch_spec_counters` reads, from a /metrics page (None without the four
+    `dspark_spec_*` ones: not a speculative dspark server)."""
+    found = parse_prometheus(text, set(SPEC_COUNTERS.values()))
     if len(found) != len(SPEC_COUNTERS):
         return None
     kinds = series_by_label(text, STEP_KIND_METRIC, "kind")
@@ -92,12 +103,16 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
              "acceptance_ratio": series_by_label(text, RATIO_METRIC, "mode")}
     clock = {f"clock:{field}:{kind}": v for field, name in CLOCK_METRICS.items()
              for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
-    cpu_found = parse_prometheus(text, set(CPU_METRICS.values()))  # (one scan for both)
-    cpu = {f"cpu:{who}": cpu_found[name] for who, name in CPU_METRICS.items()
-           if name in cpu_found}  # fmt: skip
+    # (one scan for the CPU and scheduler counters; the plan's is summed over its parts)
+    more = parse_prometheus(text, set(CPU_METRICS.values()) | set(SCHED_METRICS.values()))
+    cpu = {f"cpu:{who}": more[name] for who, name in CPU_METRICS.items() if name in more}
+    sched = {f"sched:{k}": more[name] for k, name in SCHED_METRICS.items() if name in more}
+    for field, name in (("plan", SCHED_METRICS["plan"]), ("plans", PLANS_METRIC)):
+        sched |= {f"sched:{field}:{part}": v
+                  for part, v in series_by_label(text, name, "part").items()}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
-        k: v for k, v in state.items() if v} | clock | cpu
+        k: v for k, v in state.items() if v} | clock | cpu | sched
 
 
 def learned_terms(text: str) -> dict[str, dict[str, dict[str, float]]]:
@@ -180,3 +195,26 @@ def host_cpu(before: dict | None, after: dict | None, duration_s: float,
         if before and after and key in before and key in after:
             out[key.removeprefix("cpu:")] = max(0.0, after[key] - before[key]) / duration_s
     return out
+
+
+def scheduler_overhead(before: dict | None, after: dict | None) -> dict | None:
+    """The adaptive policy's overhead over a level, from an adaptive server's counters:
+    planning (host) and allocation (device) ms per engine step, their fraction of the steps'
+    wall time (the goal: under 2%), and planning by part (ms per plan and plans). None
+    without the counters or without planned steps."""
+    keys = ("sched:plan", "sched:alloc", "sched:step_ms", "sched:steps")
+    if not before or not after or any(k not in after for k in keys):
+        return None
+    grew = {k.removeprefix("sched:"): after[k] - before.get(k, 0.0) for k in after
+            if k.startswith("sched:")}  # fmt: skip
+    steps, step_ms = grew["steps"], grew["step_ms"]
+    if steps <= 0 or step_ms <= 0 or grew["plan"] <= 0:
+        return None
+    parts = {}
+    for key, n in grew.items():
+        if key.startswith("plans:") and n > 0:
+            part = key.removeprefix("plans:")
+            parts[part] = {"plans": n, "ms_per_plan": grew.get(f"plan:{part}", 0.0) / n}
+    return {"plan_ms_per_step": grew["plan"] / steps, "alloc_ms_per_step": grew["alloc"] / steps,
+            "step_ms": step_ms / steps, "fraction": (grew["plan"] + grew["alloc"]) / step_ms,
+            "plan_by_part": parts}  # fmt: skip

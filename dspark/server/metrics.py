@@ -37,6 +37,8 @@ _ENGINE_COUNTERS = {
     "spec_verified": ("dspark_spec_verified_tokens", "Draft tokens sent to the target."),
     "spec_accepted": ("dspark_spec_accepted_tokens", "Draft tokens accepted."),
     "spec_num_steps": ("dspark_spec_num_steps", "Per-request decoding rounds with drafts."),
+    "step_time_ms": ("dspark_engine_step_ms", "Wall time of the engine's steps, ms (the "
+                     "scheduler overhead's denominator)."),
     "cpu_s": ("dspark_engine_cpu_seconds", "CPU seconds of the process running the engine "
               "loop (the engine process, or the server's own when the engine runs in it)."),
 }
@@ -75,6 +77,19 @@ class ServerMetrics:
         self.clock_idle = Counter(
             "dspark_step_device_idle_ms", "Device idle before a step, waiting for the host to "
             "enqueue it (DSPARK_STEP_CLOCK=1), by kind.", ["kind"], registry=r,
+        )  # fmt: skip
+        self.plan_ms = Counter(
+            "dspark_spec_plan_ms", "Host time of the adaptive policy's planning, ms, by part: "
+            "decision (steps re-running the drafting decision), search (a budget searched), "
+            "other.", ["part"], registry=r,
+        )  # fmt: skip
+        self.plans = Counter(
+            "dspark_spec_plans", "Steps planned by the adaptive policy, by part (as "
+            "dspark_spec_plan_ms).", ["part"], registry=r,
+        )  # fmt: skip
+        self.alloc_ms = Counter(
+            "dspark_spec_alloc_ms", "Device time of the adaptive policy's allocations, ms.",
+            registry=r,
         )  # fmt: skip
         self._last: dict[str, float] = {}
         self.ttft = Histogram(
@@ -192,6 +207,13 @@ class ServerMetrics:
             for counter, field in ((self.clock_steps, "steps"), (self.clock_busy, "busy_ms"),
                                    (self.clock_idle, "idle_ms")):  # fmt: skip
                 self._grow(counter.labels(kind=kind), f"clock:{field}:{kind}", t[field])
+        over = runtime.get("scheduler_overhead") or {}
+        for part, ms in (over.get("plan_ms") or {}).items():
+            self._grow(self.plan_ms.labels(part=part), f"plan_ms:{part}", ms)
+            self._grow(self.plans.labels(part=part), f"plans:{part}",
+                       (over.get("plans") or {}).get(part, 0))  # fmt: skip
+        if "alloc_ms" in over:
+            self._grow(self.alloc_ms, "alloc_ms", over["alloc_ms"])
         if not snap.get("spec_enabled"):
             runtime.setdefault("cost_table_status", "disabled")
         self._update_runtime(runtime)

@@ -84,6 +84,7 @@ class CostModel:
     _verify_dense: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
                                       repr=False, compare=False)  # fmt: skip
     _draft_by_reqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _decode_by_reqs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     greedy_drafts: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -195,6 +196,7 @@ class CostModel:
             return False
         self.greedy_drafts = greedy
         self._draft_by_reqs.clear()
+        self._decode_by_reqs.clear()
         return bool(self.draft_greedy_ms.size)
 
     def step_time_ms(self, num_tokens, num_reqs) -> np.ndarray:
@@ -231,6 +233,20 @@ class CostModel:
                 self._draft_by_reqs.clear()
             draft = self._draft_by_reqs[num_reqs] = float(self.draft_cost_ms(num_reqs))
         return draft
+
+    def decode_variable(self, num_reqs: int, k: int) -> tuple[float, tuple[float, ...]]:
+        """The variable parts of a decode-only step of `num_reqs` requests, cached, as Python
+        floats: (the forward of one token per request, (every request verifying l = 1..k
+        drafts, the drafter paid) for each l). Add the fixed term (`add_fixed`)."""
+        key = (num_reqs, k)
+        hit = self._decode_by_reqs.get(key)
+        if hit is None:
+            if len(self._decode_by_reqs) > 1024:
+                self._decode_by_reqs.clear()
+            spec = self.variable_lookup(num_reqs * np.arange(2, k + 2), num_reqs)
+            hit = self._decode_by_reqs[key] = (self.verify_lookup(num_reqs),
+                                               tuple(spec.tolist()))  # fmt: skip
+        return hit
 
     def verify_lookup(self, num_tokens: int) -> float:
         """`verify_cost_ms` of one integer token count, from the same dense table."""

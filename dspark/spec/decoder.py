@@ -27,7 +27,7 @@ from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner
 from dspark.spec.rates import decode_rate
 from dspark.spec.synthetic import verify_synthetic
-from dspark.spec.tracing import STEP_KINDS, Timer, decoder_metrics, step_kind, trace_record
+from dspark.spec.tracing import STEP_KINDS, Overhead, decoder_metrics, step_kind, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,8 @@ class SpecDecoder:
         self.draft_enabled = True
         self.probing = False  # a draft probe on a few of the rows while skipping (drafts_row)
         self.draft_graphs = None
-        # scheduler overhead: host time of planning, device time of allocation
-        self.plan_ms = 0.0
-        self._alloc_events: list[tuple] = []
-        self._alloc_ms = 0.0
+        self.overhead = Overhead()  # scheduler overhead: planning (host), allocation
+        self._decided_now = False  # (whether the last plan re-ran the drafting decision)
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
         self.last_kind = "plain"  # ... and the last one's
@@ -162,10 +160,13 @@ class SpecDecoder:
         budget = None
         if self._policy == "lagged":
             t0 = time.perf_counter()
+            self._decided_now = self.planner.searched = False
             try:
                 budget = self._plan(host, n, total)
             finally:
-                self.plan_ms += (time.perf_counter() - t0) * 1e3
+                part = ("decision" if self._decided_now
+                        else "search" if self.planner.searched else "other")  # fmt: skip
+                self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
         verifies = budget != 0 and total > 0
         self.last_kind = step_kind(self._step_other, verifies, self.draft_enabled)
         self.step_counts[self.last_kind] += 1
@@ -173,7 +174,7 @@ class SpecDecoder:
 
     def _plan(self, host, n: int, total: int) -> int:
         other, n_sampling = self._step_other, host.get("num_samples")
-        decide = self.drafting.due(n)  # (every few steps, or when the batch size moves)
+        decide = self._decided_now = self.drafting.due(n)  # (every few steps; a moved batch)
         budget = 0
         if total > 0:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
@@ -229,7 +230,7 @@ class SpecDecoder:
             # the plan trims nothing: verify all, as the fixed policy (no allocation overhead)
             finalize(inp, None, None, None)
             return
-        timer = Timer(self.device)
+        timer = self.overhead.alloc_timer(self.device)
         conf = self.conf[inp.slots]
         caps = inp.capacities * inp.samples.long()
         other = inp.num_tokens - num_drafts - inp.num_reqs  # non-draft tokens beyond one per row
@@ -242,9 +243,7 @@ class SpecDecoder:
             finalize(inp, lengths, n_tok, inp.num_samples + budget)
         else:
             finalize(inp, lengths, None, None)  # upper bounds; padding at the tail
-        self._alloc_events.append(timer.stop())
-        if len(self._alloc_events) > 256:
-            self.scheduler_overhead_ms()
+        self.overhead.add_alloc(timer.stop())
 
     # -- verify -------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, inp: StepInputs):
@@ -387,15 +386,17 @@ class SpecDecoder:
 
     def count_allocation_ms(self, ms: float) -> None:
         """Allocation time measured elsewhere (inside a whole-step graph)."""
-        self._alloc_ms += ms
+        self.overhead.add_alloc(float(ms))
+
+    @property
+    def plan_ms(self) -> float:
+        return sum(self.overhead.plan_ms.values())
 
     def scheduler_overhead_ms(self) -> tuple[float, float]:
         """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
-        for them, so call this from reports, not from the step."""
-        for ev in self._alloc_events:
-            self._alloc_ms += ev()
-        self._alloc_events.clear()
-        return self.plan_ms, self._alloc_ms
+        for them, so call this from reports, not from the step (/metrics reads
+        `overhead.snapshot()`, which does not wait)."""
+        return self.overhead.totals()
 
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:

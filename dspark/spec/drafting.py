@@ -187,14 +187,17 @@ class DraftingDecision:
         lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
         return min(max(accepted / predicted, lo), hi)
 
-    def estimate(self, greedy: bool) -> np.ndarray | None:
+    def estimate(self, greedy: bool) -> list[float] | None:
         """The mode's mean prefix survival (else the other mode's), scaled by its acceptance
-        ratio and kept a non-increasing probability."""
+        ratio and kept a non-increasing probability (K floats: see decode_rates)."""
         survival = self._survival.get(greedy, self.survival)
         if survival is None:
             return None
-        scaled = np.clip(survival[: self.k] * self.acceptance_ratio(greedy), 0.0, 1.0)
-        return np.minimum.accumulate(scaled)
+        ratio, out, low = self.acceptance_ratio(greedy), [], 1.0
+        for s in survival[: self.k].tolist():
+            low = min(low, max(s * ratio, 0.0))  # (clipped to [0, 1], non-increasing)
+            out.append(low)
+        return out
 
     def after_plan(self, decide: bool, cost, fixed: FixedCosts, online: bool, num_reqs: int,
                    num_sampling: int, prefill_tokens: int) -> tuple[bool, bool]:  # fmt: skip

@@ -231,6 +231,7 @@ class Planner:
         self.reuse_trimmed_plans = reuse_trimmed_plans
         # (shape, penalty) -> [plans it still stands for, its decision]
         self._reuse: dict[tuple, list] = {}
+        self.searched = False  # whether a plan_cpu call searched budgets (the caller resets it)
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
@@ -262,6 +263,7 @@ class Planner:
             standing[0] -= 1
             self.last_decision = standing[1]
             return standing[1].budget
+        self.searched = True
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
         surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)

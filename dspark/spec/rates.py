@@ -15,20 +15,27 @@ import numpy as np
 from dspark.spec.cost_model import CostModel
 
 
-def decode_rates(cost: CostModel, survival: np.ndarray | None, num_reqs: int,
+def decode_rates(cost: CostModel, survival, num_reqs: int,
                  plain_fixed_ms: float | None) -> tuple[float, float]:
     """Tokens per ms of a decode-only step of `num_reqs` sampling requests: (plain decoding,
     the best verify length l = 1..K with every request verifying l drafts of the given mean
-    prefix survival, its drafter paid; -inf without a survival estimate). Plain decoding
-    costs `plain_fixed_ms` (the measured fixed cost of steps without speculation; the
-    table's fixed term until one is measured) + the forward of one token per request."""
+    prefix survival (a sequence of K floats), its drafter paid; -inf without a survival
+    estimate). Plain decoding costs `plain_fixed_ms` (the measured fixed cost of steps
+    without speculation; the table's fixed term until one is measured) + the forward of one
+    token per request."""
     fixed = cost.fixed_overhead_ms if plain_fixed_ms is None else plain_fixed_ms
-    plain = num_reqs / max(fixed + cost.verify_lookup(num_reqs), 1e-6)
-    if survival is None or survival.size == 0:
-        return plain, float("-inf")
-    lengths = np.arange(1, survival.size + 1)
-    times = cost.step_time_lookup(num_reqs * (1 + lengths), num_reqs)
-    return plain, float((num_reqs * (1.0 + np.cumsum(survival)) / times).max())
+    if survival is not None and not isinstance(survival, list):
+        survival = np.asarray(survival, dtype=np.float64).reshape(-1).tolist()
+    k = 0 if survival is None else len(survival)
+    plain_ms, spec_ms = cost.decode_variable(num_reqs, k)
+    plain = num_reqs / max(fixed + plain_ms, 1e-6)
+    # K floats (a decision every few steps): a loop over positions costs a few µs where the
+    # same arithmetic through numpy's small-array calls cost ~100 (2-core development machine)
+    best, tokens = float("-inf"), 1.0
+    for s, variable_ms in zip(survival or (), spec_ms):
+        tokens += s
+        best = max(best, num_reqs * tokens / cost.add_fixed(variable_ms))
+    return plain, best
 
 
 def decode_rate(cost: CostModel, survival: np.ndarray | None, num_reqs: int,

@@ -11,8 +11,7 @@ from dspark.spec.confidence import SAMPLING_MODES
 
 
 class Timer:
-    """Times a region on the device (CUDA events, read lazily) or on the host clock.
-    `stop()` returns a callable giving milliseconds; calling it waits for the device."""
+    """Times a region on the device (CUDA events, read lazily) or on the host clock."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -22,14 +21,83 @@ class Timer:
         else:
             self.t0 = time.perf_counter()
 
-    def stop(self):
+    def stop(self) -> DeviceSpan | float:
+        """The region's span (CUDA: read later), or its host milliseconds."""
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            start = self.start
-            return lambda: (end.synchronize(), start.elapsed_time(end))[1]
-        ms = (time.perf_counter() - self.t0) * 1e3
-        return lambda: ms
+            return DeviceSpan(self.start, end)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+class DeviceSpan:
+    """Two recorded CUDA events: `done()` without waiting, `()` the milliseconds (waits)."""
+
+    def __init__(self, start, end) -> None:
+        self.start, self.end = start, end
+
+    def done(self) -> bool:
+        return self.end.query()
+
+    def __call__(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
+
+
+PLAN_PARTS = ("decision", "search", "other")
+
+
+class Overhead:
+    """The scheduler's overhead: host ms of planning by part, device ms of allocation.
+
+    Parts of a plan: `decision` (a step that re-ran the drafting decision: its survey,
+    its rates and any budget search), `search` (a budget searched over the stale
+    confidences), `other` (settled by the bound, a standing plan reused, or nothing to
+    plan). Allocation spans are device events, drained without waiting by `snapshot` (for
+    /metrics, every ~0.1 s) and with waiting by `totals` (reports)."""
+
+    def __init__(self) -> None:
+        self.plan_ms = dict.fromkeys(PLAN_PARTS, 0.0)
+        self.plans = dict.fromkeys(PLAN_PARTS, 0)
+        self.alloc_ms = 0.0
+        self._spans: list = []  # DeviceSpan / host ms of allocations not yet added
+
+    def add_plan(self, part: str, ms: float) -> None:
+        self.plan_ms[part] += ms
+        self.plans[part] += 1
+
+    @staticmethod
+    def alloc_timer(device: torch.device) -> Timer:
+        return Timer(device)
+
+    def add_alloc(self, span) -> None:
+        """A DeviceSpan (Timer.stop), or host / already-measured milliseconds."""
+        if isinstance(span, float):
+            self.alloc_ms += span
+            return
+        self._spans.append(span)
+        if len(self._spans) > 256:  # bounded: fold the finished ones in
+            self._drain(wait=False)
+
+    def _drain(self, wait: bool) -> None:
+        left = []
+        for span in self._spans:
+            if wait or span.done():
+                self.alloc_ms += span()
+            else:
+                left.append(span)
+        self._spans = left
+
+    def totals(self) -> tuple[float, float]:
+        """(planning ms, allocation ms) so far; waits for the device's timers."""
+        self._drain(wait=True)
+        return sum(self.plan_ms.values()), self.alloc_ms
+
+    def snapshot(self) -> dict:
+        """Cumulative totals without waiting (allocations still in flight are left out)."""
+        self._drain(wait=False)
+        return {"plan_ms": dict(self.plan_ms), "plans": dict(self.plans),
+                "alloc_ms": self.alloc_ms}  # fmt: skip
 
 
 def trace_record(inp, num_out: torch.Tensor, conf: torch.Tensor, conf_logits: torch.Tensor):
@@ -75,6 +143,7 @@ def decoder_metrics(sd) -> dict:
         "learned_fixed_ms": {_MODES[g]: fc.snapshot() for g, fc in sd._fixed_by_mode.items()},
         "acceptance_ratio": {_MODES[g]: sd.drafting.acceptance_ratio(g) for g in _MODES},
         "step_counts": dict(sd.step_counts),
+        "scheduler_overhead": sd.overhead.snapshot(),  # (cumulative; not waiting)
     }
 
 

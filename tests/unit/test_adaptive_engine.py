@@ -148,9 +148,17 @@ def test_scheduler_overhead_is_measured(tiny_qwen, drafter, tmp_path):
                   fixed_overhead_ms=4.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
     llm = _llm(tiny_qwen, drafter, "lagged", path)
     _generate(llm)
-    plan_ms, alloc_ms = llm.engine.runner.spec.scheduler_overhead_ms()
+    spec = llm.engine.runner.spec
+    plan_ms, alloc_ms = spec.scheduler_overhead_ms()
     step_ms = llm.engine.stats["step_time_ms"]
     assert 0 < plan_ms < step_ms and 0 < alloc_ms < step_ms
+    # by part: every lagged plan counted once (each planned step's kind is counted too), the
+    # first one re-ran the drafting decision (no survival estimate yet)
+    snap = spec.metrics()["scheduler_overhead"]
+    assert sum(snap["plans"].values()) == sum(spec.step_counts.values()) > 0
+    assert snap["plans"]["decision"] >= 1 and snap["plan_ms"]["decision"] > 0
+    assert sum(snap["plan_ms"].values()) == pytest.approx(plan_ms)
+    assert snap["alloc_ms"] == pytest.approx(alloc_ms)  # (CPU: nothing left in flight)
 
 
 def test_each_row_takes_its_sampling_modes_calibration(tiny_qwen, drafter, tmp_path):

@@ -232,6 +232,53 @@ def test_host_cpu_per_level_from_the_servers_cpu_counters():
     assert host_cpu({}, {}, 0.0, 1.0) is None
 
 
+def test_scheduler_overhead_per_level_from_an_adaptive_servers_counters():
+    """The engine's step time and the adaptive policy's planning (by part) and allocation
+    reach /metrics as counters; a level's overhead is their growth: ms per engine step and
+    the fraction of the steps' wall time. A server that plans nothing reports none."""
+    from dspark.bench.spec_stats import counters_from_text, scheduler_overhead
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+
+    def snap(steps, step_ms, decision, search, other, alloc):
+        parts = {"decision": decision, "search": search, "other": other}  # (ms, plans)
+        over = {"plan_ms": {k: v[0] for k, v in parts.items()},
+                "plans": {k: v[1] for k, v in parts.items()}, "alloc_ms": alloc}  # fmt: skip
+        m.update_from_snapshot({"steps": steps, "step_time_ms": step_ms,
+                                "spec_runtime": {"scheduler_overhead": over}}, alive=True)
+        return counters_from_text(m.render()[0].decode())
+
+    before = snap(100, 200.0, (3.0, 10), (2.0, 8), (1.0, 82), 0.5)
+    assert scheduler_overhead(before, before) is None  # no step in between
+    # 50 steps over 100 ms: 5 decisions (2 ms), 10 searches (1.5 ms), 35 others (0.5 ms)
+    after = snap(150, 300.0, (5.0, 15), (3.5, 18), (1.5, 117), 1.0)
+    view = scheduler_overhead(before, after)
+    assert view["plan_ms_per_step"] == pytest.approx(4.0 / 50)
+    assert view["alloc_ms_per_step"] == pytest.approx(0.5 / 50)
+    assert view["step_ms"] == pytest.approx(2.0)
+    assert view["fraction"] == pytest.approx(4.5 / 100)
+    assert view["plan_by_part"] == {
+        "decision": {"plans": 5, "ms_per_plan": pytest.approx(0.4)},
+        "search": {"plans": 10, "ms_per_plan": pytest.approx(0.15)},
+        "other": {"plans": 35, "ms_per_plan": pytest.approx(0.5 / 35)}}  # fmt: skip
+    from dspark.bench.cli import format_level_report
+
+    level = {"max_concurrency": 4, "completed": 1, "failed": 0, "duration_s": 1.0,
+             "request_throughput": 1.0, "output_throughput": 1.0, "total_token_throughput": 1.0,
+             "errors": [], "scheduler_overhead": view,
+             **{k: {"mean": 1.0, "p50": 1.0} for k in ("ttft_ms", "tpot_ms", "itl_ms",
+                                                        "e2el_ms")}}  # fmt: skip
+    line = [x for x in format_level_report(level, (50.0,)).splitlines() if "overhead" in x]
+    assert line == ["scheduler overhead:       4.50% of step time (plan 80.0 + alloc 10.0 us "
+                    "per 2.00 ms step; plans x us: decision 5 x 400, search 10 x 150, other "
+                    "35 x 14)"]
+    # a fixed-K server (nothing planned) or a server without the counters: none
+    fixed = snap(200, 400.0, (5.0, 15), (3.5, 18), (1.5, 117), 1.0)
+    assert scheduler_overhead(after, fixed) is None
+    assert scheduler_overhead(None, after) is None
+
+
 # ----------------------------------------------------------------------------- datasets
 
 

@@ -153,6 +153,16 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
             assert set(kinds) <= {"spec", "plain", "eager"} and all(kinds.values())
     if any("acceptance_ratio" in st for st in states):
         assert "adaptive7 learned fixed terms at the level's batch size" in proc.stdout
+    # its planning + allocation per level, against its steps (when a snapshot landed inside)
+    overheads = [lv.get("scheduler_overhead") for lv in summary["results"]["adaptive7@0"]]
+    for o in filter(None, overheads):
+        assert 0 < o["fraction"] < 1 and o["plan_ms_per_step"] > 0
+        assert set(o["plan_by_part"]) <= {"decision", "search", "other"}
+    if any(overheads):
+        assert "adaptive7 scheduler overhead in serving" in proc.stdout
+    # the offline pass's planning by part adds up to its planning time
+    parts = checks["overhead"]["plan_by_part"]
+    assert sum(ms for _, ms in parts.values()) == pytest.approx(checks["overhead"]["plan_ms"])
 
 
 def test_bench_e2e_reads_drafting_flips_from_a_server_log(tmp_path):
