@@ -252,13 +252,14 @@ def prefill_table(llm, conc: int, prompt_len: int) -> str:
                       "(profiled)"] + phases + [ka.table(sort_by=key, row_limit=25)])
 
 
-def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
-    """One engine per arm; a `-sync` suffix turns async scheduling off."""
+def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> list:
+    """One engine per arm; a `-sync` suffix turns async scheduling off. Returns (report lines,
+    data) per level, in order (a level may repeat)."""
     from dspark import LLM
 
     extra = {"device": "cpu", "enforce_eager": True} if args.smoke else {}
     extra["async_scheduling"] = not arm.endswith("-sync")
-    out = {}
+    out = []
     with LLM(args.target, speculative_config=spec_cfg, load_format=args.load_format,
              max_num_seqs=max(levels), max_model_len=args.prompt_len + args.tokens + 64,
              max_num_batched_tokens=args.max_num_batched_tokens, **extra) as llm:  # fmt: skip
@@ -281,7 +282,7 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> dict:
             if f"draft@{conc}" in args.kernel_tables.split(",") and spec_cfg is not None:
                 lines.append(drafter_table(llm.engine.runner, conc))
             print("\n".join([title] + lines), flush=True)
-            out[conc] = ([title] + lines, data)
+            out.append(([title] + lines, data))
     return out
 
 
@@ -324,10 +325,11 @@ def main() -> int:
     results = {arm: run_arm(args, arm, arm_cfgs[arm.removesuffix("-sync")], levels)
                for arm in args.arms.split(",")}  # fmt: skip
     report, dump = [], {}
-    for conc in levels:  # grouped by concurrency
+    for i, conc in enumerate(levels):  # grouped by level (a repeated level: "@c#2", ...)
+        tag = f"@{conc}" + (f"#{levels[:i].count(conc) + 1}" if levels.count(conc) > 1 else "")
         for arm, by_level in results.items():
-            report += by_level[conc][0]
-            dump[f"{arm}@{conc}"] = by_level[conc][1]
+            report += by_level[i][0]
+            dump[arm + tag] = by_level[i][1]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "diag_adaptive.txt"), "w") as f:
         f.write("\n".join(report) + "\n")

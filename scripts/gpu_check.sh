@@ -47,12 +47,6 @@ STAGES=${STAGES:-tests,profile,bench}
 SWEEP=${SWEEP:-1,4,16,32,64,128,256}
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }  # exact stage names, comma-separated
-if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]] &&
-   ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
-then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
-  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
-    prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
-fi
 if (has e2e || has synth || has demo_e2e) && command -v nvidia-smi >/dev/null; then
   # SM clock, temperature and power every second while the serving sweeps run: arms run one
   # after the other, so a clock that sags under sustained load shows up as a slower later arm
@@ -105,6 +99,16 @@ if has train; then
       --drafter-max-time-s 140 --calib-prompts 32 --eval-prompts 64 --eval-max-tokens 128} \
     2>&1 | tee "$OUT/train_pair.log" | tail -30
   cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
+fi
+# the server stack, installed only now: the train stage's corpus is this machine's installed
+# Python sources, so a package installed before it changes the pair (the sixteenth session's
+# pair, trained after the ceiling stage had installed it, saw 10,621 training files; the
+# seventeenth's, trained alone, 10,658; train_pair.py logs the corpus digest)
+if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]] &&
+   ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
+then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
+  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
+    prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
 fi
 pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest
   pkill -f "dspark serve" 2>/dev/null  # servers of a run cut by the timeout

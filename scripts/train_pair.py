@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import os
@@ -279,7 +280,12 @@ def main(argv=None) -> int:
     with stage("sources"):
         roots = D.site_packages_dirs()
         texts = D.collect_python_sources(roots, p.max_files or None, p.max_chars or None)
-        log(f"{len(texts)} Python files, {sum(map(len, texts)) / 1e6:.1f} M chars from {roots}")
+        # which corpus this pair was trained on: two runs compare only on the same digest (the
+        # machine's installed packages are the data: a package installed before this stage
+        # changes it)
+        digest = hashlib.sha1("\0".join(texts).encode()).hexdigest()[:16]
+        log(f"{len(texts)} Python files, {sum(map(len, texts)) / 1e6:.1f} M chars from {roots}; "
+            f"corpus digest {digest}")
     tok_dir, corpus = os.path.join(p.work, "tokenizer"), os.path.join(p.work, "corpus")
     with stage("tokenizer"):
         budget, sample = p.tokenizer_max_chars, []
@@ -341,6 +347,7 @@ def main(argv=None) -> int:
 
     summary = {
         "preset": p.preset, "device": str(device), "times_s": TIMES, "corpus": meta["splits"],
+        "corpus_digest": digest,
         "target": {k: v for k, v in ts.items() if k != "history"},
         "drafter": {k: v for k, v in ds.items() if k != "history"},
         "calibration": cal, "eval_source": source,

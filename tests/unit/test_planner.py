@@ -378,8 +378,9 @@ def _counting_reads(reads: list):
 
 def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     """With reuse_clear_plans = 4, a verify-all plan whose best trim was far from the guard
-    is reused, confidences unread, for the next 3 plans of the same shape; a shape that
-    changes, or a plan that trims or comes near the guard, searches at every plan."""
+    is reused, confidences unread, for the next 3 plans of the same shape; a far shape, or a
+    plan that trims, searches at every plan; a plan near the guard stands as long as the
+    shorter of the two reuses."""
     steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
     p = Planner("lagged", steep, reuse_clear_plans=4)
     caps = np.array([3, 3])
@@ -390,7 +391,8 @@ def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     assert plan_budget_lagged(sure, caps, 0, 2, steep).predicted_gain < 0.02
     budgets = [p.plan_cpu(stale(sure), caps, 0, 2) for _ in range(8)]
     assert budgets == [6] * 8 and len(reads) == 2  # plans 1 and 5 searched
-    p.plan_cpu(stale(sure), np.array([3, 2]), 0, 2)  # another shape: its own search
+    far = np.full(20, 3)  # a shape far from this one (ten times the rows): its own search
+    p.plan_cpu(stale(np.full((20, 3), 0.99)), far, 0, 20)
     assert len(reads) == 3
     weak = np.full((2, 3), 0.3)  # trimming pays: searched at every plan, never reused
     want = plan_budget_lagged(weak, caps, 0, 2, steep).budget
@@ -403,6 +405,19 @@ def test_a_clear_verify_all_plan_stands_for_the_next_plans_of_its_shape():
     for _ in range(4):
         exact.plan_cpu(stale(sure), caps, 0, 2)
     assert len(reads) == 4
+    # a verify-all near the guard (predicted gain between half the guard and the guard)
+    # searches at every plan while trimmed plans are not reused, else stands as long as the
+    # shorter of the two reuses
+    near = np.full((2, 3), 0.98)
+    d = plan_budget_lagged(near, caps, 0, 2, steep)
+    assert not d.trimmed and 0.02 <= d.predicted_gain < 0.04
+    reads.clear()
+    assert [p.plan_cpu(stale(near), caps, 0, 2) for _ in range(4)] == [6] * 4
+    assert len(reads) == 4
+    both = Planner("lagged", steep, reuse_clear_plans=4, reuse_trimmed_plans=8)
+    reads.clear()
+    assert [both.plan_cpu(stale(near), caps, 0, 2) for _ in range(8)] == [6] * 8
+    assert len(reads) == 2  # plans 1 and 5
 
 
 def test_budget_yields_are_scaled_by_the_measured_acceptance_ratio():
@@ -489,7 +504,7 @@ def test_steps_with_prefill_value_drafts_at_the_decoding_rate():
 
 def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     """With reuse_trimmed_plans = 4, a trimmed plan's budget (and decision) is reused,
-    confidences unread, for the next 3 plans of its shape; another shape searches; a step
+    confidences unread, for the next 3 plans of its shape; a far shape searches; a step
     with prefill chunks (an opportunity rate) always searches; a changed cost model (tables
     invalidated) searches again."""
     steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
@@ -507,12 +522,47 @@ def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     # plan 7: the searched budget still stands, though the confidences have moved since
     sure = np.full((2, 3), 0.99)
     assert p.plan_cpu(stale(sure), caps, 0, 2) == want.budget and len(reads) == 2
-    p.plan_cpu(stale(weak), np.array([3, 2]), 0, 2)  # another shape: its own search
+    far = np.full(20, 3)  # a shape far from this one (ten times the rows): its own search
+    p.plan_cpu(stale(np.full((20, 3), 0.3)), far, 0, 20)
     assert len(reads) == 3
     p.plan_cpu(stale(weak), caps, 0, 2, opportunity_rate=0.5)  # prefill chunks: searched
     assert len(reads) == 4
     p.invalidate_tables()
     assert p.plan_cpu(stale(sure), caps, 0, 2) == 6 and len(reads) == 5
+
+
+def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts():
+    """Shapes whose request counts are within ~6% (33 rows after 32; 240-255; 256-287) share
+    a standing plan: a trimmed budget is carried over as the same share of the new shape's
+    drafts, rounded down to one of its candidate budgets (graph-filling ones when graph sizes
+    are known), confidences unread; verify-all stays verify-all; a count outside the group
+    searches. Below 16 rows, only the same count shares."""
+    from dspark.spec.planner import _nearby_rows
+
+    assert [_nearby_rows(n) for n in (7, 15, 16, 31, 32, 33, 35, 36, 255, 256, 287, 288)] == [
+        7, 15, 16, 30, 32, 32, 32, 36, 240, 256, 256, 288]
+    steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
+    reads = []
+    stale = _counting_reads(reads)
+    weak = np.full((40, 3), 0.3)
+    first = p.plan_cpu(stale(weak[:32]), np.full(32, 3), 0, 32)
+    assert p.last_decision.trimmed and len(reads) == 1
+    # 33 rows: the same group; the budget scales with the drafts (99 against 96), no read
+    b33 = p.plan_cpu(stale(weak[:33]), np.full(33, 3), 0, 33)
+    assert b33 == round(first * 99 / 96) and len(reads) == 1
+    assert p.last_decision.max_budget == 99 and p.last_decision.trimmed
+    # with graph sizes, the carried budget is rounded down to a candidate of the new shape
+    cand = np.array([0, 10, 40, 70, 99])
+    from dspark.spec.planner import BudgetDecision, _rescaled
+
+    d = BudgetDecision(48, 96, 1.0, 0.5, 1.0, True)
+    assert _rescaled(d, cand, 99).budget == 40  # 48 * 99 / 96 = 49.5 -> 50 -> 40
+    assert _rescaled(BudgetDecision(96, 96, 1.0, 1.0, 0.0, False), cand, 99).budget == 99
+    assert _rescaled(BudgetDecision(1, 96, 1.0, 0.5, 1.0, True), cand, 99).budget == 0
+    # 36 rows: another group, its own search
+    p.plan_cpu(stale(weak[:36]), np.full(36, 3), 0, 36)
+    assert len(reads) == 2
 
 
 def test_a_fixed_term_move_keeps_standing_plans_and_shape_contexts():
