@@ -43,6 +43,24 @@ _ENGINE_COUNTERS = {
               "loop (the engine process, or the server's own when the engine runs in it)."),
 }
 
+# attribute -> (counter name, help, label): counters by kind of step or part
+_LABELLED_COUNTERS = {
+    "step_kinds": ("dspark_spec_steps", "Steps of a speculative engine by kind: plain (no "
+                   "drafts verified or proposed), draft (proposing only), verify, mixed (with "
+                   "prefill chunks).", "kind"),
+    "clock_steps": ("dspark_step_clock_steps", "Steps timed by DSPARK_STEP_CLOCK=1, by kind (as "
+                    "dspark_spec_steps; without speculation plain or mixed).", "kind"),
+    "clock_busy": ("dspark_step_device_busy_ms", "Device time from a step's first to its last "
+                   "enqueued work (DSPARK_STEP_CLOCK=1), by kind.", "kind"),
+    "clock_idle": ("dspark_step_device_idle_ms", "Device idle before a step, waiting for the "
+                   "host to enqueue it (DSPARK_STEP_CLOCK=1), by kind.", "kind"),
+    "plan_ms": ("dspark_spec_plan_ms", "Host time of the adaptive policy's planning, ms, by "
+                "part: decision (steps re-running the drafting decision), search (a budget "
+                "searched), other.", "part"),
+    "plans": ("dspark_spec_plans", "Steps planned by the adaptive policy, by part (as "
+              "dspark_spec_plan_ms).", "part"),
+}  # fmt: skip
+
 
 class ServerMetrics:
     def __init__(self, model_name: str):
@@ -61,32 +79,8 @@ class ServerMetrics:
         self.counters = {
             key: Counter(name, doc, registry=r) for key, (name, doc) in _ENGINE_COUNTERS.items()
         }
-        self.step_kinds = Counter(
-            "dspark_spec_steps", "Steps of a speculative engine by kind: plain (no drafts "
-            "verified or proposed), draft (proposing only), verify, mixed (with prefill chunks).",
-            ["kind"], registry=r,
-        )  # fmt: skip
-        self.clock_steps = Counter(
-            "dspark_step_clock_steps", "Steps timed by DSPARK_STEP_CLOCK=1, by kind (as "
-            "dspark_spec_steps; without speculation plain or mixed).", ["kind"], registry=r,
-        )  # fmt: skip
-        self.clock_busy = Counter(
-            "dspark_step_device_busy_ms", "Device time from a step's first to its last "
-            "enqueued work (DSPARK_STEP_CLOCK=1), by kind.", ["kind"], registry=r,
-        )  # fmt: skip
-        self.clock_idle = Counter(
-            "dspark_step_device_idle_ms", "Device idle before a step, waiting for the host to "
-            "enqueue it (DSPARK_STEP_CLOCK=1), by kind.", ["kind"], registry=r,
-        )  # fmt: skip
-        self.plan_ms = Counter(
-            "dspark_spec_plan_ms", "Host time of the adaptive policy's planning, ms, by part: "
-            "decision (steps re-running the drafting decision), search (a budget searched), "
-            "other.", ["part"], registry=r,
-        )  # fmt: skip
-        self.plans = Counter(
-            "dspark_spec_plans", "Steps planned by the adaptive policy, by part (as "
-            "dspark_spec_plan_ms).", ["part"], registry=r,
-        )  # fmt: skip
+        for attr, (name, doc, label) in _LABELLED_COUNTERS.items():
+            setattr(self, attr, Counter(name, doc, [label], registry=r))
         self.alloc_ms = Counter(
             "dspark_spec_alloc_ms", "Device time of the adaptive policy's allocations, ms.",
             registry=r,
