@@ -30,8 +30,9 @@
 # call; e2e: 32 prompts, the trained pair's levels at c = 1 / 4 lasted 0.2-1 s with 8, and its
 # whole run 373 s of which 61 s were measured levels; 434 s in the fifteenth session, whose
 # levels of 0.4-4.7 s were too short for the drafting decision: 4 waves from c = 16 up (4c
-# requests: ~+40 s of measuring, estimated, not yet run); synth, one temperature: 16 prompts, so
-# c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
+# requests: 438 and 541 s in the sixteenth and seventeenth sessions, ~80 s of which the offline
+# identity pass spent capturing the adaptive engine's trimmed graphs: on first use since then);
+# synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
 # E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
 # measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
