@@ -176,7 +176,8 @@ def offline_checks(args) -> dict:
     # front (~80 s on the H200, as its server does again), and these 32 prompts take a few;
     # a graph captured on first use gives the eager step's tokens (test_cuda_graphs.py), and
     # the overhead is measured on the second pass, after those captures (this process only:
-    # the servers are done by now)
+    # the servers are done by now; the caller's setting is restored below)
+    capture_trims = os.environ.get("DSPARK_CAPTURE_TRIMS")
     os.environ["DSPARK_CAPTURE_TRIMS"] = "0"
     for arm, spec in arms(args).items():
         if args.synthetic_rates and not arm.startswith("adaptive"):
@@ -210,7 +211,10 @@ def offline_checks(args) -> dict:
     # per arm: prompts whose tokens differ from the first arm's (to tell a bug from a tie)
     mismatches = {n: sum(a != b for a, b in zip(tokens[n], tokens[names[0]], strict=True))
                   for n in names[1:]}  # fmt: skip
-    del os.environ["DSPARK_CAPTURE_TRIMS"]
+    if capture_trims is None:
+        del os.environ["DSPARK_CAPTURE_TRIMS"]
+    else:
+        os.environ["DSPARK_CAPTURE_TRIMS"] = capture_trims
     return {"identical_at_t0": identical, "num_prompts": len(prompts), "overhead": overhead,
             "mismatching_prompts": mismatches}  # fmt: skip
 

@@ -89,7 +89,6 @@ class SpecDecoder:
         self.probing = False  # a draft probe on a few of the rows while skipping (drafts_row)
         self.draft_graphs = None
         self.overhead = Overhead()  # scheduler overhead: planning (host), allocation
-        self._decided_now = False  # (whether the last plan re-ran the drafting decision)
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
         self.last_kind = "plain"  # ... and the last one's
@@ -160,19 +159,20 @@ class SpecDecoder:
                 self.planner.invalidate_tables(keep_plans=not priced)
         budget = None
         if self._policy == "lagged":
-            self._decided_now = self.planner.searched = False
-            budget = self._plan(host, n, total)
-            part = ("decision" if self._decided_now
-                    else "search" if self.planner.searched else "other")  # fmt: skip
+            searches = self.planner.searches
+            budget, decided = self._plan(host, n, total)
+            part = ("decision" if decided
+                    else "search" if self.planner.searches > searches else "other")  # fmt: skip
             self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
         verifies = budget != 0 and total > 0
         self.last_kind = step_kind(self._step_other, verifies, self.draft_enabled)
         self.step_counts[self.last_kind] += 1
         return budget
 
-    def _plan(self, host, n: int, total: int) -> int:
+    def _plan(self, host, n: int, total: int) -> tuple[int, bool]:
+        """(the budget, whether this step re-ran the drafting decision)."""
         other, n_sampling = self._step_other, host.get("num_samples")
-        decide = self._decided_now = self.drafting.due(n)  # (every few steps; a moved batch)
+        decide = self.drafting.due(n)  # (every few steps, or when the batch size moves)
         budget = 0
         if total > 0:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
@@ -208,7 +208,7 @@ class SpecDecoder:
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
         self.probing = probe and n > PROBE_ROWS
-        return budget
+        return budget, decide
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never

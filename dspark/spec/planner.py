@@ -254,7 +254,7 @@ class Planner:
         self.reuse_trimmed_plans = reuse_trimmed_plans
         # (shape, penalty) -> [plans it still stands for, its decision]
         self._reuse: dict[tuple, list] = {}
-        self.searched = False  # whether a plan_cpu call searched budgets (the caller resets it)
+        self.searches = 0  # plan_cpu calls that searched budgets (the scheduler's overhead by part)
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
@@ -292,7 +292,7 @@ class Planner:
                 d = _rescaled(d, cand, total)
             self.last_decision = d
             return d.budget
-        self.searched = True
+        self.searches += 1
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
         surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)
