@@ -151,10 +151,14 @@ class ModelRunner:
                 self.prefill_graphs = capture_prefill_graphs(self, self.graphs)
             if self.graphs is not None and self.world is None and self.tp.size == 1:
                 try:
+                    from dspark.engine.cuda_graph import capture_guard
+
                     self.step_graphs = StepGraphs(self)
-                    # trimmed-step graphs up front too (DSPARK_CAPTURE_TRIMS=0: on first use)
-                    self.step_graphs.capture_all(
-                        trims=os.environ.get("DSPARK_CAPTURE_TRIMS") != "0")
+                    # trimmed-step graphs up front too (DSPARK_CAPTURE_TRIMS=0: on first use);
+                    # one guard: garbage is collected once, not before each of ~300 graphs
+                    with capture_guard():
+                        self.step_graphs.capture_all(
+                            trims=os.environ.get("DSPARK_CAPTURE_TRIMS") != "0")
                     if self.spec is not None:  # trimmed lagged steps are graphs too
                         self.spec.graph_steps = self.spec.graph_trims = True
                 except Exception:  # the per-phase graphs above still serve

@@ -33,3 +33,31 @@ def test_steps_with_prefill_chunks_go_to_the_prefill_graphs(tiny_qwen):
     # the decode block shape, not a prefill graph's
     assert decode.bucket_for(20, 4, 5) == 24 and prefill.bucket_for(20, 4, 5) is None
     assert decode.bucket_for(1030, 8, 5) is None and prefill.bucket_for(1030, 8, 5) is None
+
+
+def test_nested_capture_guards_collect_garbage_once(monkeypatch):
+    """Captures batched under one guard (the whole-step graphs at start) collect garbage once,
+    keep the collector off until the outermost guard exits, and restore it after a failure."""
+    import gc
+
+    from dspark.engine import cuda_graph
+
+    collections = []
+    monkeypatch.setattr(cuda_graph.gc, "collect", lambda: collections.append(1))
+    monkeypatch.setattr(cuda_graph.torch.cuda, "synchronize", lambda: None)  # CPU machine
+    assert gc.isenabled()
+    with cuda_graph.capture_guard():
+        for _ in range(3):
+            with cuda_graph.capture_guard():
+                assert not gc.isenabled()
+        assert not gc.isenabled() and len(collections) == 1
+    assert gc.isenabled() and len(collections) == 1
+    try:
+        with cuda_graph.capture_guard():
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled() and len(collections) == 2
+    with cuda_graph.capture_guard():  # the failed guard left no depth behind: this one collects
+        pass
+    assert len(collections) == 3
