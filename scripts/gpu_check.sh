@@ -31,8 +31,10 @@
 # whole run 373 s of which 61 s were measured levels; 434 s in the fifteenth session, whose
 # levels of 0.4-4.7 s were too short for the drafting decision: 4 waves from c = 16 up (4c
 # requests: 438 and 541 s in the sixteenth and seventeenth sessions, ~80 s of which the offline
-# identity pass spent capturing the adaptive engine's trimmed graphs: on first use since then);
-# synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~8 of 10 minutes).
+# identity pass spent capturing the adaptive engine's trimmed graphs: on first use since then;
+# 257 s in the eighteenth, with graph capture ~9x faster, of which 98 s were measured levels of
+# 0.5-6.7 s: since then 64 prompts and 8 per concurrency level, twice as long, ~360 s);
+# synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~6 of 10 minutes).
 # E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
 # measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
@@ -120,7 +122,7 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
 if has e2e; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e ${E2E_ARGS:---num-prompts 32 --prompts-per-concurrency 4 --warmup 8} 2>&1 \
+    --out /tmp/e2e ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} 2>&1 \
     | tee "$OUT/e2e.log" | tail -30
   pack e2e
 fi

@@ -35,6 +35,7 @@ Host functions (here) are pure numpy; device functions (allocation.py) are sync-
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -194,6 +195,18 @@ def _nearby_rows(num_reqs: int) -> int:
     return (num_reqs >> shift) << shift
 
 
+def _nearby_other(num_other_tokens: int) -> int:
+    """The group of a prefill token count whose plans stand for each other: the same power of
+    two (257-512, ...); 0 (no prefill chunk) alone."""
+    return 1 << (num_other_tokens - 1).bit_length() if num_other_tokens > 0 else 0
+
+
+def _rate_group(rate: float | None) -> int | None:
+    """The group of an opportunity rate (tokens/ms decoding would earn) whose plans stand for
+    each other: within ~5% (None: a step without prefill chunks)."""
+    return None if rate is None else int(math.log(max(rate, 1e-6)) * 20.0)
+
+
 def _rescaled(d: BudgetDecision, cand: np.ndarray, total: int) -> BudgetDecision:
     """A standing decision carried to a nearby shape of `total` drafts: verify-all stays
     verify-all; a trimmed budget keeps its share of the drafts, rounded down to one of this
@@ -281,10 +294,12 @@ class Planner:
             self.last_decision = settled
             return total
         # (nearby shapes share a standing plan: at high load requests finish and arrive
-        # every few steps, and an exact shape would search at every one)
-        reuse = (_nearby_rows(caps.size), num_other_tokens, trim_penalty_ms,
-                 num_sampling_reqs == caps.size)  # fmt: skip
-        standing = self._reuse.get(reuse) if opportunity_rate is None else None
+        # every few steps, and an exact shape would search at every one; so do steps with
+        # prefill chunks of similar size at a similar opportunity rate: H200, trained pair,
+        # c = 256, they were most of the searches, ~0.2-0.3 ms each)
+        reuse = (_nearby_rows(caps.size), _nearby_other(num_other_tokens), trim_penalty_ms,
+                 num_sampling_reqs == caps.size, _rate_group(opportunity_rate))  # fmt: skip
+        standing = self._reuse.get(reuse)
         if standing is not None and standing[0] > 0:
             standing[0] -= 1
             d = standing[1]
@@ -303,19 +318,18 @@ class Planner:
             times = times + penalties(cand, trim_penalty_ms)
         d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                         opportunity_rate)  # fmt: skip
-        if opportunity_rate is None:
-            if d.trimmed:
-                stands_for = self.reuse_trimmed_plans
-            else:  # near the guard, a verify-all is one small move from trimming: it
-                # stands no longer than a trimmed plan would (H200 host, 8B shape, c = 256:
-                # such plans were searched at every step, ~0.3 ms each)
-                clear = d.predicted_gain < self.min_predicted_gain / 2
-                stands_for = (self.reuse_clear_plans if clear
-                              else min(self.reuse_clear_plans, self.reuse_trimmed_plans))
-            if stands_for > 1:
-                if len(self._reuse) > 4096:
-                    self._reuse.clear()
-                self._reuse[reuse] = [stands_for - 1, d]
+        if d.trimmed:
+            stands_for = self.reuse_trimmed_plans
+        else:  # near the guard, a verify-all is one small move from trimming: it stands no
+            # longer than a trimmed plan would (H200 host, 8B shape, c = 256: such plans were
+            # searched at every step, ~0.3 ms each)
+            clear = d.predicted_gain < self.min_predicted_gain / 2
+            stands_for = (self.reuse_clear_plans if clear
+                          else min(self.reuse_clear_plans, self.reuse_trimmed_plans))
+        if stands_for > 1:
+            if len(self._reuse) > 4096:
+                self._reuse.clear()
+            self._reuse[reuse] = [stands_for - 1, d]
         self.last_decision = d
         return d.budget
 

@@ -505,7 +505,7 @@ def test_steps_with_prefill_value_drafts_at_the_decoding_rate():
 def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     """With reuse_trimmed_plans = 4, a trimmed plan's budget (and decision) is reused,
     confidences unread, for the next 3 plans of its shape; a far shape searches; a step
-    with prefill chunks (an opportunity rate) always searches; a changed cost model (tables
+    with prefill chunks (an opportunity rate) is its own shape; a changed cost model (tables
     invalidated) searches again."""
     steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
     p = Planner("lagged", steep, reuse_trimmed_plans=4)
@@ -529,6 +529,37 @@ def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
     assert len(reads) == 4
     p.invalidate_tables()
     assert p.plan_cpu(stale(sure), caps, 0, 2) == 6 and len(reads) == 5
+
+
+def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates():
+    """A step with prefill chunks plans against the opportunity rate of decoding; its plan
+    stands, confidences unread, for the next plans whose chunk is in the same power-of-two
+    size group and whose rate is within ~5%; another size group, another rate, or a step
+    without chunks searches. The reused budget is the one a search would find while the
+    confidences stay put."""
+    from dspark.spec.planner import _nearby_other, _rate_group
+
+    assert [_nearby_other(n) for n in (0, 1, 2, 3, 256, 257, 512, 513)] == [
+        0, 1, 2, 4, 256, 512, 512, 1024]
+    assert _rate_group(None) is None
+    assert _rate_group(10.0) == _rate_group(10.2) != _rate_group(11.0)
+    steep = CostModel.from_measurements([1, 512], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
+    caps = np.full(8, 3)
+    weak = np.full((8, 3), 0.3)
+    reads = []
+    stale = _counting_reads(reads)
+    want = plan_budget_lagged(weak, caps, 300, 8, steep, opportunity_rate=1.93)
+    assert want.trimmed
+    got = [p.plan_cpu(stale(weak), caps, n, 8, opportunity_rate=r)  # (rates of one group)
+           for n, r in ((300, 1.93), (400, 1.93), (500, 1.99), (300, 1.93))]
+    assert got == [want.budget] * 4 and len(reads) == 1  # one search, three reuses
+    p.plan_cpu(stale(weak), caps, 600, 8, opportunity_rate=1.93)  # 513-1024: another group
+    assert len(reads) == 2
+    p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.5)  # another rate group
+    assert len(reads) == 3
+    p.plan_cpu(stale(weak), caps, 0, 8)  # no prefill chunk: its own shape
+    assert len(reads) == 4
 
 
 def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts():
