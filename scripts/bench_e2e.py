@@ -369,6 +369,13 @@ def print_table(args, temps, results, checks, label) -> None:
                         f"{(c or {}).get(w, float('nan')):.2f}"
                         for w in ("client", "server", "engine"))
                     for lvl, c in zip(levels, cpus)))  # fmt: skip
+        for n in names:  # servers started with DSPARK_HOST_TIMERS=1 (parts nest)
+            hosts = [r.get("host_ms_per_step") for r in results[(n, t)]["results"]]
+            if any(hosts):
+                print(f"{n} engine host ms per step by part: " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + " ".join(
+                        f"{k} {v:.3f}" for k, v in sorted((h or {}).items()))
+                    for lvl, h in zip(levels, hosts)))  # fmt: skip
         for n in names:  # servers started with DSPARK_STEP_CLOCK=1
             clocks = [r.get("step_clock") for r in results[(n, t)]["results"]]
             if any(clocks):

@@ -142,6 +142,8 @@ def main() -> int:
                     help="lagged: its drafting decision always says plain decoding and no "
                          "probe runs (the adaptive engine's plain steps)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="cProfile the timed steps into FILE (pstats; the timers then read high)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256,
@@ -182,10 +184,19 @@ def main() -> int:
         llm.engine.add_request(f"r{i}", p, params)
     prefill_all(llm.engine, sg)  # not timed
     spent.clear()
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     steps, t0 = 0, time.perf_counter()
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
         steps += 1
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(args.profile)
     per_step = (time.perf_counter() - t0) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
     head = (f"policy {args.policy}{' plain' if args.plain else ''}"

@@ -178,14 +178,19 @@ def format_table(results: list[dict], percentiles: tuple[float, ...] = (50.0, 95
 
 
 def _git_commit() -> str | None:
+    """HEAD, with "-dirty" when tracked files differ from it: a copy of a working tree (as
+    the GPU machine runs) can carry a HEAD older than its files."""
+    here = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here,
                              capture_output=True, text=True, timeout=5)
+        if out.returncode != 0 or not out.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=here,
+                               capture_output=True, timeout=10).returncode == 1
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def environment_info() -> dict:

@@ -30,6 +30,7 @@ from dspark.bench.spec_stats import (
     clock_from_counters,
     fetch_spec_counters,
     host_cpu,
+    host_parts,
     scheduler_overhead,
     spec_from_counters,
     spec_from_responses,
@@ -322,6 +323,9 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             overhead = scheduler_overhead(before, after)
             if overhead is not None:  # (an adaptive server)
                 m["scheduler_overhead"] = overhead
+            host = host_parts(before, after)
+            if host is not None:  # (a server started with DSPARK_HOST_TIMERS=1)
+                m["host_ms_per_step"] = host
             results.append(m)
             if on_level is not None:
                 on_level(m)

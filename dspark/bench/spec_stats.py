@@ -36,6 +36,8 @@ CPU_METRICS = {"server": "process_cpu_seconds_total", "engine": "dspark_engine_c
 SCHED_METRICS = {"plan": "dspark_spec_plan_ms_total", "alloc": "dspark_spec_alloc_ms_total",
                  "step_ms": "dspark_engine_step_ms_total", "steps": "dspark_engine_steps_total"}
 PLANS_METRIC = "dspark_spec_plans_total"
+# servers started with DSPARK_HOST_TIMERS=1: host time of the engine's loop by part (counter)
+HOST_METRIC = "dspark_engine_host_ms_total"
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -110,6 +112,7 @@ def counters_from_text(text: str) -> dict | None:
     for field, name in (("plan", SCHED_METRICS["plan"]), ("plans", PLANS_METRIC)):
         sched |= {f"sched:{field}:{part}": v
                   for part, v in series_by_label(text, name, "part").items()}  # fmt: skip
+    sched |= {f"host:{part}": v for part, v in series_by_label(text, HOST_METRIC, "part").items()}
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
         k: v for k, v in state.items() if v} | clock | cpu | sched
@@ -218,3 +221,14 @@ def scheduler_overhead(before: dict | None, after: dict | None) -> dict | None:
     return {"plan_ms_per_step": grew["plan"] / steps, "alloc_ms_per_step": grew["alloc"] / steps,
             "step_ms": step_ms / steps, "fraction": (grew["plan"] + grew["alloc"]) / step_ms,
             "plan_by_part": parts}  # fmt: skip
+
+
+def host_parts(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """{part: host ms per engine step} over a level, from the counters of a server started
+    with DSPARK_HOST_TIMERS=1 (None without them or without steps)."""
+    if not before or not after or "sched:steps" not in after:
+        return None
+    steps = after["sched:steps"] - before.get("sched:steps", 0.0)
+    parts = {k.removeprefix("host:"): (v - before.get(k, 0.0)) / steps
+             for k, v in after.items() if k.startswith("host:")} if steps > 0 else {}
+    return parts or None

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dspark.engine.host_timers import host_timers_enabled, install_host_timers
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.output_delta import DeltaEncoder
 
@@ -56,6 +57,9 @@ class EngineCore:
         self._drain_deadline: float | None = None
         self._last_snapshot = 0.0
         self._last_steps = -1
+        self.host_timers = None  # DSPARK_HOST_TIMERS=1: host time of the loop by part
+        if host_timers_enabled():
+            self.host_timers = install_host_timers(self)
 
     def submit(self, cmd: tuple) -> None:
         """Queue a command (any thread); it is applied before the next step."""
@@ -180,4 +184,6 @@ class EngineCore:
         clock = getattr(eng.runner, "step_clock", None)
         if clock is not None and clock.enabled:  # DSPARK_STEP_CLOCK=1: device busy / idle
             snap["step_clock"] = clock.snapshot()
+        if self.host_timers is not None:
+            snap["host_ms"] = self.host_timers.snapshot()
         return snap

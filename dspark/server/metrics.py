@@ -59,6 +59,9 @@ _LABELLED_COUNTERS = {
                 "searched), other.", "part"),
     "plans": ("dspark_spec_plans", "Steps planned by the adaptive policy, by part (as "
               "dspark_spec_plan_ms).", "part"),
+    "host_ms": ("dspark_engine_host_ms", "Host time of the engine's loop, ms, by part (an "
+                "engine started with DSPARK_HOST_TIMERS=1; parts nest: engine/host_timers.py).",
+                "part"),
 }  # fmt: skip
 
 
@@ -201,6 +204,8 @@ class ServerMetrics:
             for counter, field in ((self.clock_steps, "steps"), (self.clock_busy, "busy_ms"),
                                    (self.clock_idle, "idle_ms")):  # fmt: skip
                 self._grow(counter.labels(kind=kind), f"clock:{field}:{kind}", t[field])
+        for part, ms in (snap.get("host_ms") or {}).items():
+            self._grow(self.host_ms.labels(part=part), f"host_ms:{part}", ms)
         over = runtime.get("scheduler_overhead") or {}
         for part, ms in (over.get("plan_ms") or {}).items():
             self._grow(self.plan_ms.labels(part=part), f"plan_ms:{part}", ms)

@@ -107,7 +107,9 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
         cmd += ["--interleave"]
     else:
         cmd += ["--no-engine-process"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # (the engine processes of the interleaved run time their loops: DSPARK_HOST_TIMERS)
+    env = {**os.environ, "DSPARK_HOST_TIMERS": "1"} if interleave else None
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     if interleave:  # one result file per arm and level, written in the rotating order
         arms = ["nospec", "fixed7", "adaptive7"]
@@ -160,6 +162,16 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
         assert set(o["plan_by_part"]) <= {"decision", "search", "other"}
     if any(overheads):
         assert "adaptive7 scheduler overhead in serving" in proc.stdout
+    # host time by part per engine step (servers started with DSPARK_HOST_TIMERS=1 only)
+    hosts = [lv.get("host_ms_per_step") for arm in ("fixed7@0", "adaptive7@0")
+             for lv in summary["results"][arm]]  # fmt: skip
+    if not interleave:
+        assert not any(hosts)
+    for h in filter(None, hosts):
+        assert {"schedule", "launch", "wait_commit", "commit", "outputs"} <= set(h)
+        assert all(v >= 0 for v in h.values()) and h["launch"] > 0
+    if any(hosts):
+        assert "engine host ms per step by part: " in proc.stdout
     # the offline pass's planning by part adds up to its planning time
     parts = checks["overhead"]["plan_by_part"]
     assert sum(ms for _, ms in parts.values()) == pytest.approx(checks["overhead"]["plan_ms"])
