@@ -31,6 +31,7 @@ from dspark.bench.spec_stats import (
     fetch_spec_counters,
     host_cpu,
     host_parts,
+    observed_steps,
     scheduler_overhead,
     spec_from_counters,
     spec_from_responses,
@@ -323,6 +324,9 @@ async def run_sweep(cfg: BenchConfig, levels: list[int | None],
             overhead = scheduler_overhead(before, after)
             if overhead is not None:  # (an adaptive server)
                 m["scheduler_overhead"] = overhead
+            observed = observed_steps(before, after)
+            if observed is not None:  # (an adaptive server: what its fixed terms saw)
+                m["observed_steps"] = observed
             host = host_parts(before, after)
             if host is not None:  # (a server started with DSPARK_HOST_TIMERS=1)
                 m["host_ms_per_step"] = host

@@ -38,6 +38,10 @@ SCHED_METRICS = {"plan": "dspark_spec_plan_ms_total", "alloc": "dspark_spec_allo
 PLANS_METRIC = "dspark_spec_plans_total"
 # servers started with DSPARK_HOST_TIMERS=1: host time of the engine's loop by part (counter)
 HOST_METRIC = "dspark_engine_host_ms_total"
+# an adaptive server's steps its fixed terms were learned from, by kind (counters)
+OBSERVED_METRICS = {"steps": "dspark_spec_observed_steps_total",
+                    "ms": "dspark_spec_observed_step_ms_total",
+                    "residual": "dspark_spec_observed_residual_ms_total"}  # fmt: skip
 
 
 def spec_summary(totals: dict[str, float], num_requests: int, source: str) -> dict:
@@ -113,6 +117,8 @@ def counters_from_text(text: str) -> dict | None:
         sched |= {f"sched:{field}:{part}": v
                   for part, v in series_by_label(text, name, "part").items()}  # fmt: skip
     sched |= {f"host:{part}": v for part, v in series_by_label(text, HOST_METRIC, "part").items()}
+    sched |= {f"observed:{field}:{kind}": v for field, name in OBSERVED_METRICS.items()
+              for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
         k: v for k, v in state.items() if v} | clock | cpu | sched
@@ -232,3 +238,22 @@ def host_parts(before: dict | None, after: dict | None) -> dict[str, float] | No
     parts = {k.removeprefix("host:"): (v - before.get(k, 0.0)) / steps
              for k, v in after.items() if k.startswith("host:")} if steps > 0 else {}
     return parts or None
+
+
+def observed_steps(before: dict | None, after: dict | None) -> dict | None:
+    """{kind: {steps, step_ms, residual_ms}} (ms per step) over a level: the steps an adaptive
+    server learned its fixed terms from, with their mean measured period and its part beyond
+    the cost table (None without the counters or without such steps)."""
+    if not before or not after:
+        return None
+    out = {}
+    for key in after:
+        if key.startswith("observed:steps:"):
+            kind = key.removeprefix("observed:steps:")
+            n = after[key] - before.get(key, 0.0)
+            if n > 0:
+                grew = {f: after.get(f"observed:{f}:{kind}", 0.0)
+                        - before.get(f"observed:{f}:{kind}", 0.0) for f in ("ms", "residual")}
+                out[kind] = {"steps": n, "step_ms": grew["ms"] / n,
+                             "residual_ms": grew["residual"] / n}  # fmt: skip
+    return out or None

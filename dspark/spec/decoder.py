@@ -380,7 +380,7 @@ class SpecDecoder:
             return
         kind, draft_ms, greedy = tag
         variable = self.cost.verify_lookup(num_tokens) + draft_ms  # dense table: every step
-        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs)
+        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
 
     def count_allocation_ms(self, ms: float) -> None:
         """Allocation time measured elsewhere (inside a whole-step graph)."""

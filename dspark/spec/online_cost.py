@@ -74,10 +74,19 @@ class FixedCosts:
         self._recent: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
         self._term: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}  # their medians
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
+        # every observed step by kind: [steps, their periods' ms, their residuals' ms] (for
+        # /metrics: what the terms were learned from, against the step clock's busy + idle)
+        self.observed: dict[str, list[float]] = {kind: [0, 0.0, 0.0] for kind in KINDS}
 
-    def observe(self, kind: str, residual_ms: float, num_reqs: int) -> None:
+    def observe(self, kind: str, residual_ms: float, num_reqs: int,
+                step_ms: float | None = None) -> None:  # fmt: skip
         """Add one step's residual to its kind's and batch size's window (the first
-        measurement of a bucket replaces the table's term outright)."""
+        measurement of a bucket replaces the table's term outright). `step_ms`: the step's
+        measured period, which the residual was taken from (only totalled)."""
+        total = self.observed[kind]
+        total[0] += 1
+        total[1] += residual_ms if step_ms is None else step_ms
+        total[2] += residual_ms
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return

@@ -8,6 +8,7 @@ import time
 import torch
 
 from dspark.spec.confidence import SAMPLING_MODES
+from dspark.spec.online_cost import KINDS
 
 
 class Timer:
@@ -144,6 +145,10 @@ def decoder_metrics(sd) -> dict:
         "acceptance_ratio": {_MODES[g]: sd.drafting.acceptance_ratio(g) for g in _MODES},
         "step_counts": dict(sd.step_counts),
         "scheduler_overhead": sd.overhead.snapshot(),  # (cumulative; not waiting)
+        # the steps the learned terms came from, by kind, over both modes: [steps, period ms,
+        # residual ms] (cumulative)
+        "observed_steps": {kind: [sum(fc.observed[kind][i] for fc in sd._fixed_by_mode.values())
+                                  for i in range(3)] for kind in KINDS},
     }
 
 

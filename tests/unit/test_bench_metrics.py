@@ -279,6 +279,27 @@ def test_scheduler_overhead_per_level_from_an_adaptive_servers_counters():
     assert scheduler_overhead(None, after) is None
 
 
+def test_the_steps_behind_the_learned_terms_per_level():
+    """An adaptive server's observed steps (count, periods, residuals beyond the cost table)
+    reach /metrics as counters by kind; a level's view is their growth per step."""
+    from dspark.bench.spec_stats import counters_from_text, observed_steps
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+
+    def snap(spec, plain):
+        m.update_from_snapshot({"steps": 1, "spec_enabled": True, "spec_runtime": {
+            "observed_steps": {"spec": spec, "plain": plain, "eager": [0, 0.0, 0.0]}}},
+            alive=True)  # fmt: skip
+        return counters_from_text(m.render()[0].decode())
+
+    before = snap([10, 40.0, 25.0], [4, 6.0, 5.0])
+    after = snap([30, 140.0, 85.0], [4, 6.0, 5.0])  # 20 spec steps of 5 ms, none plain
+    assert observed_steps(before, after) == {
+        "spec": {"steps": 20, "step_ms": 5.0, "residual_ms": 3.0}}
+    assert observed_steps(after, after) is None and observed_steps(None, after) is None
+
+
 # ----------------------------------------------------------------------------- datasets
 
 

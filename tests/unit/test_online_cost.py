@@ -45,11 +45,16 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     kinds, counts, untagged = [], {}, [0]
     observe = spec.observe_step_time
 
+    totals = {kind: [0, 0.0, 0.0] for kind in want}  # every observed step (warm-up too)
+
     def spy(step_ms, num_tokens, num_reqs, tag):
         if tag is None:  # prefill chunks (or the first steps of a request)
             untagged[0] += 1
         else:
             kinds.append(tag[0])
+            variable = float(spec.cost.verify_cost_ms(num_tokens)) + tag[1]
+            for i, v in enumerate((1, step_ms, step_ms - variable)):
+                totals[tag[0]][i] += v
         if tag is not None and len(kinds) > 3:  # warm-up steps are skipped
             kind, draft_ms, _ = tag
             assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
@@ -81,6 +86,12 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     assert plans and all(used == (0.0 if want is None else want) for used, want in plans)
     busiest = max((b for kind, b in counts if kind == "plain"), key=lambda b: counts["plain", b])
     assert want["plain"][busiest] > 0  # host work of a CPU step is real
+    # what the terms were learned from, by kind, for /metrics: steps, periods, residuals
+    observed = spec.metrics()["observed_steps"]
+    for kind, (n, period, residual) in totals.items():
+        assert observed[kind][0] == n
+        assert observed[kind][1:] == pytest.approx([period, residual], rel=1e-9, abs=1e-9)
+    assert observed["plain"][0] == kinds.count("plain") >= 5
 
 
 def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter):

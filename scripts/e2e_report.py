@@ -1,0 +1,124 @@
+"""The summary bench_e2e.py prints: output tok/s by arm, level and temperature, then the
+per-level diagnostics the servers' /metrics gave (see print_table)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dspark.spec.confidence import SAMPLING_MODES  # noqa: E402
+from dspark.spec.online_cost import bucket_label, size_bucket  # noqa: E402
+from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
+
+
+def decision_state(delta: dict, conc: int, temp: float) -> str | None:
+    """The adaptive server's learned fixed terms at `conc` requests and its acceptance ratio
+    (sampling mode of `temp`), read from /metrics at the end of a level."""
+    mode = SAMPLING_MODES[0 if temp == 0 else 1]  # (greedy, sampled)
+    terms = (delta.get("learned_fixed_ms") or {}).get(mode) or {}
+    ratio = (delta.get("acceptance_ratio") or {}).get(mode)
+    if not terms and ratio is None:
+        return None
+    batch = bucket_label(size_bucket(conc))
+    spec, plain = ((terms.get(kind) or {}).get(batch) for kind in ("spec", "plain"))
+    ms = "/".join("-" if v is None else f"{v:.2f}" for v in (spec, plain))
+    return ms + ("" if ratio is None else f"; {ratio:.2f}")
+
+
+def print_table(names: list[str], temps, results, checks, label) -> None:
+    """The three arms' throughput by level and temperature (`names`: no-spec, fixed,
+    adaptive), then what each level's counters say: the adaptive server's steps by kind,
+    scheduler overhead, learned fixed terms and the steps they came from, every arm's host
+    CPU, host time by part and step clock; the offline checks last."""
+    print(f"\n=== {label}end-to-end: output tok/s (TPOT p50 ms | acceptance length) ===")
+    for t in temps:
+        print(f"-- temperature {t:g}")
+        print("conc " + "".join(f"{n:>30}" for n in names) + "   adaptive vs best / vs fixed")
+        levels = results[(names[0], t)]["results"]
+        for i, lvl in enumerate(levels):
+            cells, tput = [], []
+            for n in names:
+                r = results[(n, t)]["results"][i]
+                sd = r.get("spec_decode") or {}
+                acc = sd.get("mean_acceptance_length")
+                tput.append(r["output_throughput"])
+                tpot = r["tpot_ms"]["p50"]  # None: the server streamed no per-token output
+                tpot = "-" if tpot is None else f"{tpot:.2f}"
+                cells.append(f"{r['output_throughput']:9.1f} ({tpot:>6} | "
+                             f"{acc if acc is None else round(acc, 2)!s:>4})")  # fmt: skip
+            best = max(tput[0], tput[1])
+            print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
+                  + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+        deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
+                  or {} for r in results[(names[2], t)]["results"]]  # fmt: skip
+        kinds = [d.get("steps_by_kind") for d in deltas]
+        if any(kinds):  # what the adaptive server ran at each level
+            print(f"{names[2]} steps by kind ({' / '.join(STEP_KINDS)}): " + ", ".join(
+                f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}"
+                                                          for x in STEP_KINDS)
+                for lvl, k in zip(levels, kinds)))  # fmt: skip
+        overheads = [r.get("scheduler_overhead") for r in results[(names[2], t)]["results"]]
+        if any(overheads):  # planning + allocation over each level, from the server's counters
+            print(f"{names[2]} scheduler overhead in serving (% of step time: plan + alloc us "
+                  "per step): " + ", ".join(
+                      f"c={lvl['max_concurrency']} {o['fraction']:.2%} ("
+                      f"{o['plan_ms_per_step'] * 1e3:.0f}+{o['alloc_ms_per_step'] * 1e3:.0f})"
+                      for lvl, o in zip(levels, overheads) if o))  # fmt: skip
+        states = [decision_state(d, lvl["max_concurrency"], t) for lvl, d in zip(levels, deltas)]
+        if any(states):  # what its drafting decision stood on at the end of each level
+            print(f"{names[2]} learned fixed terms at the level's batch size (speculative / "
+                  "plain ms; acceptance ratio): " + ", ".join(
+                      f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
+                      if st))  # fmt: skip
+        observed = [r.get("observed_steps") for r in results[(names[2], t)]["results"]]
+        if any(observed):  # the steps those terms were learned from (against the step clock)
+            print(f"{names[2]} steps its fixed terms learned from, by kind (count: mean period / "
+                  "residual ms): " + ", ".join(
+                      f"c={lvl['max_concurrency']} " + " ".join(
+                          f"{k} {v['steps']:.0f}: {v['step_ms']:.2f}/{v['residual_ms']:.2f}"
+                          for k, v in sorted(o.items()))
+                      for lvl, o in zip(levels, observed) if o))  # fmt: skip
+        for n in names:  # who was busy: a process near 1.0 core bounds the level, not the GPU
+            cpus = [r.get("host_cpu") for r in results[(n, t)]["results"]]
+            if any(cpus):
+                print(f"{n} host CPU, cores busy (client/server/engine process): " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + "/".join(
+                        f"{(c or {}).get(w, float('nan')):.2f}"
+                        for w in ("client", "server", "engine"))
+                    for lvl, c in zip(levels, cpus)))  # fmt: skip
+        for n in names:  # servers started with DSPARK_HOST_TIMERS=1 (parts nest)
+            hosts = [r.get("host_ms_per_step") for r in results[(n, t)]["results"]]
+            if any(hosts):
+                print(f"{n} engine host ms per step by part: " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + " ".join(
+                        f"{k} {v:.3f}" for k, v in sorted((h or {}).items()))
+                    for lvl, h in zip(levels, hosts)))  # fmt: skip
+        for n in names:  # servers started with DSPARK_STEP_CLOCK=1
+            clocks = [r.get("step_clock") for r in results[(n, t)]["results"]]
+            if any(clocks):
+                print(f"{n} device ms per step by kind, busy + idle before it: " + ", ".join(
+                    f"c={lvl['max_concurrency']} " + " ".join(
+                        f"{k} {v['busy_ms_per_step']:.2f}+{v['idle_ms_per_step']:.2f}"
+                        for k, v in sorted((c or {}).items()))
+                    for lvl, c in zip(levels, clocks)))  # fmt: skip
+    print("whole-step CUDA graphs per arm (captured / capture failures): "
+          + ", ".join(f"{a} {g['captured']}/{g['failures']}"
+                      for a, g in checks.get("graphs", {}).items()))  # fmt: skip
+    flips = checks.get("drafting_flips") or []
+    print(f"adaptive server: drafting turned on/off {len(flips)} times in its log (INFO, at most "
+          f"one per second){'; the first 6:' if flips else ''}")
+    for line in flips[:6]:
+        print(f"  drafting {line}")
+    o = checks["overhead"] or {}
+    if checks["identical_at_t0"] is None:
+        print("T=0 identity: not checked (synthetic acceptance is not lossless by design)")
+    else:
+        print(f"T=0 identical tokens across arms: {checks['identical_at_t0']} "
+              f"({checks['num_prompts']} prompts; differing prompts vs the first arm: "
+              f"{checks.get('mismatching_prompts')})")
+    if o:
+        by_part = ", ".join(f"{p} {n} x {ms / n * 1e3:.0f} us" for p, (n, ms)
+                            in (o.get("plan_by_part") or {}).items() if n)  # fmt: skip
+        print(f"scheduler overhead: plan {o['plan_ms']:.1f} ms + alloc {o['alloc_ms']:.1f} ms "
+              f"= {o['fraction']:.2%} of step time ({o['steps']} steps; plans: {by_part})")
