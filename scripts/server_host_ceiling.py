@@ -138,6 +138,10 @@ def main() -> int:
                   f"{late}; cores busy " + " ".join(
                       f"{who} {v:.2f}" for who, v in (r.get("host_cpu") or {}).items()),
                   flush=True)  # fmt: skip
+            host = r.get("host_ms_per_step")  # (DSPARK_HOST_TIMERS=1: the engine loop's parts)
+            if host:
+                print("  engine host ms per step: " + " ".join(
+                    f"{k} {v:.3f}" for k, v in sorted(host.items())), flush=True)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
