@@ -72,12 +72,14 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                       f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
                       if st))  # fmt: skip
         observed = [r.get("observed_steps") for r in results[(names[2], t)]["results"]]
-        if any(observed):  # the steps those terms were learned from (against the step clock)
-            print(f"{names[2]} steps its fixed terms learned from, by kind (count: mean period / "
-                  "residual ms): " + ", ".join(
+        if any(observed):  # what those terms were learned from, at the level's batch size
+            print(f"{names[2]} steps its fixed terms learned from at the level's batch size "
+                  "(kind count: mean period / mean residual ms): " + ", ".join(
                       f"c={lvl['max_concurrency']} " + " ".join(
                           f"{k} {v['steps']:.0f}: {v['step_ms']:.2f}/{v['residual_ms']:.2f}"
-                          for k, v in sorted(o.items()))
+                          for k, by_batch in sorted(o.items())
+                          for v in [by_batch.get(bucket_label(size_bucket(
+                              lvl["max_concurrency"])))] if v)
                       for lvl, o in zip(levels, observed) if o))  # fmt: skip
         for n in names:  # who was busy: a process near 1.0 core bounds the level, not the GPU
             cpus = [r.get("host_cpu") for r in results[(n, t)]["results"]]

@@ -117,8 +117,10 @@ def counters_from_text(text: str) -> dict | None:
         sched |= {f"sched:{field}:{part}": v
                   for part, v in series_by_label(text, name, "part").items()}  # fmt: skip
     sched |= {f"host:{part}": v for part, v in series_by_label(text, HOST_METRIC, "part").items()}
-    sched |= {f"observed:{field}:{kind}": v for field, name in OBSERVED_METRICS.items()
-              for kind, v in series_by_label(text, name, "kind").items()}  # fmt: skip
+    sched |= {f"observed:{field}:{labels['kind']}:{labels['batch']}": v
+              for field, name in OBSERVED_METRICS.items()
+              for labels, v in labelled_series(text, name)
+              if {"kind", "batch"} <= labels.keys()}  # fmt: skip
     return {k: found[name] for k, name in SPEC_COUNTERS.items()} | {
         f"steps:{kind}": v for kind, v in kinds.items()} | {
         k: v for k, v in state.items() if v} | clock | cpu | sched
@@ -241,19 +243,21 @@ def host_parts(before: dict | None, after: dict | None) -> dict[str, float] | No
 
 
 def observed_steps(before: dict | None, after: dict | None) -> dict | None:
-    """{kind: {steps, step_ms, residual_ms}} (ms per step) over a level: the steps an adaptive
-    server learned its fixed terms from, with their mean measured period and its part beyond
-    the cost table (None without the counters or without such steps)."""
+    """{kind: {batch range: {steps, step_ms, residual_ms}}} over a level: the steps an
+    adaptive server learned its fixed terms from, with their mean measured period and its
+    part beyond the cost table (the mean of what each term is a window median of). None
+    without the counters or without such steps."""
     if not before or not after:
         return None
-    out = {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for key in after:
         if key.startswith("observed:steps:"):
-            kind = key.removeprefix("observed:steps:")
+            kind, batch = key.removeprefix("observed:steps:").split(":", 1)
             n = after[key] - before.get(key, 0.0)
             if n > 0:
-                grew = {f: after.get(f"observed:{f}:{kind}", 0.0)
-                        - before.get(f"observed:{f}:{kind}", 0.0) for f in ("ms", "residual")}
-                out[kind] = {"steps": n, "step_ms": grew["ms"] / n,
-                             "residual_ms": grew["residual"] / n}  # fmt: skip
+                grew = {f: after.get(f"observed:{f}:{kind}:{batch}", 0.0)
+                        - before.get(f"observed:{f}:{kind}:{batch}", 0.0)
+                        for f in ("ms", "residual")}  # fmt: skip
+                out.setdefault(kind, {})[batch] = {
+                    "steps": n, "step_ms": grew["ms"] / n, "residual_ms": grew["residual"] / n}
     return out or None

@@ -59,16 +59,21 @@ _LABELLED_COUNTERS = {
                 "searched), other.", "part"),
     "plans": ("dspark_spec_plans", "Steps planned by the adaptive policy, by part (as "
               "dspark_spec_plan_ms).", "part"),
-    "observed_steps": ("dspark_spec_observed_steps", "Steps the adaptive policy learned its "
-                       "fixed terms from, by kind (spec, plain, eager).", "kind"),
-    "observed_ms": ("dspark_spec_observed_step_ms", "Measured periods of those steps, ms, by "
-                    "kind (against the step clock's busy + idle of the same steps).", "kind"),
-    "observed_residual_ms": ("dspark_spec_observed_residual_ms", "Their periods beyond the "
-                             "cost table's forward and drafter time, ms, by kind: the learned "
-                             "terms' inputs.", "kind"),
     "host_ms": ("dspark_engine_host_ms", "Host time of the engine's loop, ms, by part (an "
                 "engine started with DSPARK_HOST_TIMERS=1; parts nest: engine/host_timers.py).",
                 "part"),
+}  # fmt: skip
+
+
+# field of the engine's observed-step totals -> (counter name, help); labels kind, batch
+_OBSERVED_COUNTERS = {
+    "steps": ("dspark_spec_observed_steps", "Steps the adaptive policy learned its fixed "
+              "terms from, by kind (spec, plain, eager) and batch-size range."),
+    "ms": ("dspark_spec_observed_step_ms", "Measured periods of those steps, ms (against the "
+           "step clock's busy + idle)."),
+    "residual": ("dspark_spec_observed_residual_ms", "Their periods beyond the cost table's "
+                 "forward and drafter time, ms: the learned terms' inputs (a term is the "
+                 "median of its last 15)."),
 }  # fmt: skip
 
 
@@ -91,6 +96,9 @@ class ServerMetrics:
         }
         for attr, (name, doc, label) in _LABELLED_COUNTERS.items():
             setattr(self, attr, Counter(name, doc, [label], registry=r))
+        # the steps the adaptive policy learned its fixed terms from, by kind and batch size
+        self.observed = {field: Counter(name, doc, ["kind", "batch"], registry=r)
+                         for field, (name, doc) in _OBSERVED_COUNTERS.items()}  # fmt: skip
         self.alloc_ms = Counter(
             "dspark_spec_alloc_ms", "Device time of the adaptive policy's allocations, ms.",
             registry=r,
@@ -213,11 +221,11 @@ class ServerMetrics:
                 self._grow(counter.labels(kind=kind), f"clock:{field}:{kind}", t[field])
         for part, ms in (snap.get("host_ms") or {}).items():
             self._grow(self.host_ms.labels(part=part), f"host_ms:{part}", ms)
-        for kind, totals in (runtime.get("observed_steps") or {}).items():
-            for counter, value, key in zip(
-                    (self.observed_steps, self.observed_ms, self.observed_residual_ms), totals,
-                    ("steps", "ms", "residual"), strict=True):  # fmt: skip
-                self._grow(counter.labels(kind=kind), f"observed:{key}:{kind}", value)
+        for kind, by_batch in (runtime.get("observed_steps") or {}).items():
+            for batch, totals in by_batch.items():
+                for (field, counter), value in zip(self.observed.items(), totals, strict=True):
+                    self._grow(counter.labels(kind=kind, batch=batch),
+                               f"observed:{field}:{kind}:{batch}", value)  # fmt: skip
         over = runtime.get("scheduler_overhead") or {}
         for part, ms in (over.get("plan_ms") or {}).items():
             self._grow(self.plan_ms.labels(part=part), f"plan_ms:{part}", ms)

@@ -74,23 +74,24 @@ class FixedCosts:
         self._recent: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
         self._term: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}  # their medians
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
-        # every observed step by kind: [steps, their periods' ms, their residuals' ms] (for
-        # /metrics: what the terms were learned from, against the step clock's busy + idle)
-        self.observed: dict[str, list[float]] = {kind: [0, 0.0, 0.0] for kind in KINDS}
+        # every observed step by kind and batch-size bucket: [steps, their periods' ms, their
+        # residuals' ms] (for /metrics: what the terms were learned from, to set against the
+        # step clock's busy + idle and against the window medians)
+        self.observed: dict[tuple[str, int], list[float]] = {}
 
     def observe(self, kind: str, residual_ms: float, num_reqs: int,
                 step_ms: float | None = None) -> None:  # fmt: skip
         """Add one step's residual to its kind's and batch size's window (the first
         measurement of a bucket replaces the table's term outright). `step_ms`: the step's
         measured period, which the residual was taken from (only totalled)."""
-        total = self.observed[kind]
+        b = size_bucket(num_reqs)
+        total = self.observed.setdefault((kind, b), [0, 0.0, 0.0])
         total[0] += 1
         total[1] += residual_ms if step_ms is None else step_ms
         total[2] += residual_ms
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return
-        b = size_bucket(num_reqs)
         window = self._recent[kind].get(b)
         if window is None:
             window = self._recent[kind][b] = deque(maxlen=WINDOW)
@@ -124,6 +125,13 @@ class FixedCosts:
             return table[b]
         candidates = [k for k in table if len(windows[k]) >= MIN_SAMPLES] or table
         return table[min(candidates, key=lambda k: (abs(k - b), k))]
+
+    def observed_totals(self) -> dict[str, dict[str, list[float]]]:
+        """{kind: {batch-size range: [steps, period ms, residual ms]}}, cumulative."""
+        out: dict[str, dict[str, list[float]]] = {}
+        for (kind, b), total in sorted(self.observed.items()):
+            out.setdefault(kind, {})[bucket_label(b)] = list(total)
+        return out
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Every learned term: {kind: {batch-size range ("4-7"): ms}} (for /metrics)."""

@@ -8,7 +8,6 @@ import time
 import torch
 
 from dspark.spec.confidence import SAMPLING_MODES
-from dspark.spec.online_cost import KINDS
 
 
 class Timer:
@@ -145,11 +144,22 @@ def decoder_metrics(sd) -> dict:
         "acceptance_ratio": {_MODES[g]: sd.drafting.acceptance_ratio(g) for g in _MODES},
         "step_counts": dict(sd.step_counts),
         "scheduler_overhead": sd.overhead.snapshot(),  # (cumulative; not waiting)
-        # the steps the learned terms came from, by kind, over both modes: [steps, period ms,
-        # residual ms] (cumulative)
-        "observed_steps": {kind: [sum(fc.observed[kind][i] for fc in sd._fixed_by_mode.values())
-                                  for i in range(3)] for kind in KINDS},
+        # the steps the learned terms came from, by kind and batch size, summed over the
+        # modes: [steps, period ms, residual ms] (cumulative)
+        "observed_steps": _summed(fc.observed_totals() for fc in sd._fixed_by_mode.values()),
     }
+
+
+def _summed(tables) -> dict[str, dict[str, list[float]]]:
+    """Element-wise sums of {kind: {batch: [numbers]}} tables."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for table in tables:
+        for kind, by_batch in table.items():
+            for batch, values in by_batch.items():
+                into = out.setdefault(kind, {}).setdefault(batch, [0.0] * len(values))
+                for i, v in enumerate(values):
+                    into[i] += v
+    return out
 
 
 STEP_KINDS = ("plain", "draft", "verify", "mixed")

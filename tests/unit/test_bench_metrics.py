@@ -281,22 +281,25 @@ def test_scheduler_overhead_per_level_from_an_adaptive_servers_counters():
 
 def test_the_steps_behind_the_learned_terms_per_level():
     """An adaptive server's observed steps (count, periods, residuals beyond the cost table)
-    reach /metrics as counters by kind; a level's view is their growth per step."""
+    reach /metrics as counters by kind and batch-size range; a level's view is their growth
+    per step."""
     from dspark.bench.spec_stats import counters_from_text, observed_steps
     from dspark.server.metrics import ServerMetrics
 
     m = ServerMetrics("x")
 
-    def snap(spec, plain):
+    def snap(spec_big, spec_small, plain):
         m.update_from_snapshot({"steps": 1, "spec_enabled": True, "spec_runtime": {
-            "observed_steps": {"spec": spec, "plain": plain, "eager": [0, 0.0, 0.0]}}},
-            alive=True)  # fmt: skip
+            "observed_steps": {"spec": {"128-255": spec_big, "4-7": spec_small},
+                               "plain": {"128-255": plain}}}}, alive=True)  # fmt: skip
         return counters_from_text(m.render()[0].decode())
 
-    before = snap([10, 40.0, 25.0], [4, 6.0, 5.0])
-    after = snap([30, 140.0, 85.0], [4, 6.0, 5.0])  # 20 spec steps of 5 ms, none plain
-    assert observed_steps(before, after) == {
-        "spec": {"steps": 20, "step_ms": 5.0, "residual_ms": 3.0}}
+    before = snap([10, 40.0, 25.0], [3, 3.0, 1.0], [4, 6.0, 5.0])
+    # 20 speculative steps of 5 ms at 128-255 requests, one of 2 ms at 4-7, none plain
+    after = snap([30, 140.0, 85.0], [4, 5.0, 2.5], [4, 6.0, 5.0])
+    assert observed_steps(before, after) == {"spec": {
+        "128-255": {"steps": 20, "step_ms": 5.0, "residual_ms": 3.0},
+        "4-7": {"steps": 1, "step_ms": 2.0, "residual_ms": 1.5}}}
     assert observed_steps(after, after) is None and observed_steps(None, after) is None
 
 

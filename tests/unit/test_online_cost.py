@@ -26,7 +26,7 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     with prefill chunks feed nothing. Replayed here exactly."""
     import statistics
 
-    from dspark.spec.online_cost import WINDOW, size_bucket
+    from dspark.spec.online_cost import WINDOW, bucket_label, size_bucket
 
     llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
               speculative_config={"model": drafter, "num_speculative_tokens": 5,
@@ -45,7 +45,7 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     kinds, counts, untagged = [], {}, [0]
     observe = spec.observe_step_time
 
-    totals = {kind: [0, 0.0, 0.0] for kind in want}  # every observed step (warm-up too)
+    totals = {}  # every observed step (warm-up too), by kind and batch-size range
 
     def spy(step_ms, num_tokens, num_reqs, tag):
         if tag is None:  # prefill chunks (or the first steps of a request)
@@ -53,8 +53,9 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
         else:
             kinds.append(tag[0])
             variable = float(spec.cost.verify_cost_ms(num_tokens)) + tag[1]
+            total = totals.setdefault((tag[0], bucket_label(size_bucket(num_reqs))), [0, 0, 0])
             for i, v in enumerate((1, step_ms, step_ms - variable)):
-                totals[tag[0]][i] += v
+                total[i] += v
         if tag is not None and len(kinds) > 3:  # warm-up steps are skipped
             kind, draft_ms, _ = tag
             assert draft_ms in (0.0, spec.cost.draft_lookup(num_reqs))  # drafted, or not
@@ -88,10 +89,12 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     assert want["plain"][busiest] > 0  # host work of a CPU step is real
     # what the terms were learned from, by kind, for /metrics: steps, periods, residuals
     observed = spec.metrics()["observed_steps"]
-    for kind, (n, period, residual) in totals.items():
-        assert observed[kind][0] == n
-        assert observed[kind][1:] == pytest.approx([period, residual], rel=1e-9, abs=1e-9)
-    assert observed["plain"][0] == kinds.count("plain") >= 5
+    assert {(k, b) for k, by_batch in observed.items() for b in by_batch} == set(totals)
+    for (kind, batch), (n, period, residual) in totals.items():
+        assert observed[kind][batch][0] == n
+        assert observed[kind][batch][1:] == pytest.approx([period, residual], rel=1e-9,
+                                                          abs=1e-9)  # fmt: skip
+    assert sum(v[0] for v in observed["plain"].values()) == kinds.count("plain") >= 5
 
 
 def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter):

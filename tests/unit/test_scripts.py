@@ -172,6 +172,15 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
         assert all(v >= 0 for v in h.values()) and h["launch"] > 0
     if any(hosts):
         assert "engine host ms per step by part: " in proc.stdout
+    # the steps the adaptive server's fixed terms were learned from, by kind and batch size
+    observed = [lv.get("observed_steps") for lv in summary["results"]["adaptive7@0"]]
+    for o in filter(None, observed):
+        assert set(o) <= {"spec", "plain", "eager"}
+        for by_batch in o.values():
+            assert all(v["steps"] > 0 and v["step_ms"] > 0 for v in by_batch.values())
+    if any(observed):
+        assert "adaptive7 steps its fixed terms learned from at the level's batch size" in (
+            proc.stdout)
     # the offline pass's planning by part adds up to its planning time
     parts = checks["overhead"]["plan_by_part"]
     assert sum(ms for _, ms in parts.values()) == pytest.approx(checks["overhead"]["plan_ms"])
