@@ -35,9 +35,7 @@ Host functions (here) are pure numpy; device functions (allocation.py) are sync-
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,24 +47,15 @@ from dspark.spec.allocation import (
     threshold_lengths,
 )
 from dspark.spec.cost_model import CostModel
+from dspark.spec.plan_reuse import BudgetDecision, StandingPlans
 from dspark.spec.rates import prefix_survival
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("lagged", "early_stop", "threshold", "fixed")
-REUSE_CLEAR_PLANS = 4  # the engine's Planner(reuse_clear_plans=...): see Planner.__init__
+REUSE_CLEAR_PLANS = 4  # the engine's Planner(reuse_clear_plans=...): see plan_reuse.py
 REUSE_TRIMMED_PLANS = 8  # ... and Planner(reuse_trimmed_plans=...): the drafting decision's
 # cadence (drafting._DECIDE_EVERY), whose steps read the confidences anyway
-
-
-@dataclass
-class BudgetDecision:
-    budget: int  # total draft tokens to verify this step
-    max_budget: int  # sum of capacities (verify-all)
-    theta_best: float  # predicted tokens/ms of the best candidate budget
-    theta_full: float  # predicted tokens/ms of verify-all
-    predicted_gain: float  # theta_best / theta_full - 1
-    trimmed: bool  # budget < max_budget
 
 
 def _stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
@@ -188,37 +177,6 @@ def best_budget(surv: np.ndarray, cand: np.ndarray, times: np.ndarray, num_sampl
                           theta_full=theta_full, predicted_gain=gain, trimmed=trimmed)
 
 
-def _nearby_rows(num_reqs: int) -> int:
-    """The group of a request count whose plans stand for each other: exact below 16, then
-    16 groups per doubling (240-255, 256-287, ...: within ~6%)."""
-    shift = max(0, num_reqs.bit_length() - 4)
-    return (num_reqs >> shift) << shift
-
-
-def _nearby_other(num_other_tokens: int) -> int:
-    """The group of a prefill token count whose plans stand for each other: the same power of
-    two (257-512, ...); 0 (no prefill chunk) alone."""
-    return 1 << (num_other_tokens - 1).bit_length() if num_other_tokens > 0 else 0
-
-
-def _rate_group(rate: float | None) -> int | None:
-    """The group of an opportunity rate (tokens/ms decoding would earn) whose plans stand for
-    each other: within ~5% (None: a step without prefill chunks)."""
-    return None if rate is None else int(math.log(max(rate, 1e-6)) * 20.0)
-
-
-def _rescaled(d: BudgetDecision, cand: np.ndarray, total: int) -> BudgetDecision:
-    """A standing decision carried to a nearby shape of `total` drafts: verify-all stays
-    verify-all; a trimmed budget keeps its share of the drafts, rounded down to one of this
-    shape's candidate budgets (those that fill a captured graph)."""
-    budget = total
-    if d.trimmed:
-        want = round(d.budget * total / max(d.max_budget, 1))
-        budget = int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)])
-    return BudgetDecision(budget, total, d.theta_best, d.theta_full, d.predicted_gain,
-                          budget < total)  # fmt: skip
-
-
 class Planner:
     """Policy facade used by the engine.
 
@@ -250,23 +208,8 @@ class Planner:
         self.last_decision: BudgetDecision | None = None
         self._tables: dict[tuple, torch.Tensor] = {}
         self._contexts: dict[tuple, tuple] = {}  # host: per batch shape (_context)
-        # A verify-all plan whose best trim came nowhere near the guard (predicted gain under
-        # half of it) stands for the next `reuse_clear_plans - 1` plans of the same shape and
-        # penalty, confidences unread: at low load, where trimming does not pay, the search
-        # was most of a step's planning (H200, 33.6 M pair: 11.8% of step time). Lossless: a
-        # budget may come from any information older than the drafts; 1: search every plan.
-        # A trimmed plan likewise stands for the next `reuse_trimmed_plans - 1` of its shape:
-        # its budget sums a whole batch's survivals, which move little from one step to the
-        # next, while the search costs ~130 us of host time per step (2-core development
-        # machine, 32 rows; ~250 us on the H200's host: 2.8% of an 8B step at c = 32). The
-        # device still allocates the reused budget over the live confidences. Shapes whose
-        # request counts are within ~6% share a standing plan (`_nearby_rows`), its budget
-        # carried over as the same share of their drafts (`_rescaled`): at c = 256 a request
-        # finishes or arrives at nearly every step.
-        self.reuse_clear_plans = reuse_clear_plans
-        self.reuse_trimmed_plans = reuse_trimmed_plans
-        # (shape, penalty) -> [plans it still stands for, its decision]
-        self._reuse: dict[tuple, list] = {}
+        # searched plans reused for nearby shapes, confidences unread (plan_reuse.py)
+        self.standing = StandingPlans(reuse_clear_plans, reuse_trimmed_plans, min_predicted_gain)
         self.searches = 0  # plan_cpu calls that searched budgets (the scheduler's overhead by part)
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
@@ -293,18 +236,10 @@ class Planner:
         if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
             self.last_decision = settled
             return total
-        # (nearby shapes share a standing plan: at high load requests finish and arrive
-        # every few steps, and an exact shape would search at every one; so do steps with
-        # prefill chunks of similar size at a similar opportunity rate: H200, trained pair,
-        # c = 256, they were most of the searches, ~0.2-0.3 ms each)
-        reuse = (_nearby_rows(caps.size), _nearby_other(num_other_tokens), trim_penalty_ms,
-                 num_sampling_reqs == caps.size, _rate_group(opportunity_rate))  # fmt: skip
-        standing = self._reuse.get(reuse)
-        if standing is not None and standing[0] > 0:
-            standing[0] -= 1
-            d = standing[1]
-            if d.max_budget != total:  # another shape of the group: the same share of drafts
-                d = _rescaled(d, cand, total)
+        group = StandingPlans.group(caps.size, num_other_tokens, trim_penalty_ms,
+                                    num_sampling_reqs == caps.size, opportunity_rate)
+        d = self.standing.take(group, cand, total)
+        if d is not None:
             self.last_decision = d
             return d.budget
         self.searches += 1
@@ -318,18 +253,7 @@ class Planner:
             times = times + penalties(cand, trim_penalty_ms)
         d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                         opportunity_rate)  # fmt: skip
-        if d.trimmed:
-            stands_for = self.reuse_trimmed_plans
-        else:  # near the guard, a verify-all is one small move from trimming: it stands no
-            # longer than a trimmed plan would (H200 host, 8B shape, c = 256: such plans were
-            # searched at every step, ~0.3 ms each)
-            clear = d.predicted_gain < self.min_predicted_gain / 2
-            stands_for = (self.reuse_clear_plans if clear
-                          else min(self.reuse_clear_plans, self.reuse_trimmed_plans))
-        if stands_for > 1:
-            if len(self._reuse) > 4096:
-                self._reuse.clear()
-            self._reuse[reuse] = [stands_for - 1, d]
+        self.standing.put(group, d)
         self.last_decision = d
         return d.budget
 
@@ -377,7 +301,7 @@ class Planner:
         runs; dropping contexts and standing plans each time rebuilt and searched that often.)"""
         self._tables.clear()
         if not keep_plans:
-            self._reuse.clear()
+            self.standing.clear()
 
     def _table(self, num_tokens: int, num_reqs: int, device) -> torch.Tensor:
         key = (num_tokens, num_reqs, str(device))

@@ -537,12 +537,12 @@ def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates()
     size group and whose rate is within ~5%; another size group, another rate, or a step
     without chunks searches. The reused budget is the one a search would find while the
     confidences stay put."""
-    from dspark.spec.planner import _nearby_other, _rate_group
+    from dspark.spec.plan_reuse import nearby_other, rate_group
 
-    assert [_nearby_other(n) for n in (0, 1, 2, 3, 256, 257, 512, 513)] == [
+    assert [nearby_other(n) for n in (0, 1, 2, 3, 256, 257, 512, 513)] == [
         0, 1, 2, 4, 256, 512, 512, 1024]
-    assert _rate_group(None) is None
-    assert _rate_group(10.0) == _rate_group(10.2) != _rate_group(11.0)
+    assert rate_group(None) is None
+    assert rate_group(10.0) == rate_group(10.2) != rate_group(11.0)
     steep = CostModel.from_measurements([1, 512], [1.0, 64.0])
     p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
     caps = np.full(8, 3)
@@ -568,9 +568,9 @@ def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts(
     drafts, rounded down to one of its candidate budgets (graph-filling ones when graph sizes
     are known), confidences unread; verify-all stays verify-all; a count outside the group
     searches. Below 16 rows, only the same count shares."""
-    from dspark.spec.planner import _nearby_rows
+    from dspark.spec.plan_reuse import nearby_rows
 
-    assert [_nearby_rows(n) for n in (7, 15, 16, 31, 32, 33, 35, 36, 255, 256, 287, 288)] == [
+    assert [nearby_rows(n) for n in (7, 15, 16, 31, 32, 33, 35, 36, 255, 256, 287, 288)] == [
         7, 15, 16, 30, 32, 32, 32, 36, 240, 256, 256, 288]
     steep = CostModel.from_measurements([1, 64], [1.0, 64.0])
     p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
@@ -585,12 +585,12 @@ def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts(
     assert p.last_decision.max_budget == 99 and p.last_decision.trimmed
     # with graph sizes, the carried budget is rounded down to a candidate of the new shape
     cand = np.array([0, 10, 40, 70, 99])
-    from dspark.spec.planner import BudgetDecision, _rescaled
+    from dspark.spec.plan_reuse import BudgetDecision, rescaled
 
     d = BudgetDecision(48, 96, 1.0, 0.5, 1.0, True)
-    assert _rescaled(d, cand, 99).budget == 40  # 48 * 99 / 96 = 49.5 -> 50 -> 40
-    assert _rescaled(BudgetDecision(96, 96, 1.0, 1.0, 0.0, False), cand, 99).budget == 99
-    assert _rescaled(BudgetDecision(1, 96, 1.0, 0.5, 1.0, True), cand, 99).budget == 0
+    assert rescaled(d, cand, 99).budget == 40  # 48 * 99 / 96 = 49.5 -> 50 -> 40
+    assert rescaled(BudgetDecision(96, 96, 1.0, 1.0, 0.0, False), cand, 99).budget == 99
+    assert rescaled(BudgetDecision(1, 96, 1.0, 0.5, 1.0, True), cand, 99).budget == 0
     # 36 rows: another group, its own search
     p.plan_cpu(stale(weak[:36]), np.full(36, 3), 0, 36)
     assert len(reads) == 2

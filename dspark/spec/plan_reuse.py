@@ -1,0 +1,112 @@
+"""Standing plans: the lagged planner's searched budgets, reused with the confidences unread
+for the next few plans of nearby batch shapes (Planner.plan_cpu).
+
+Lossless: a budget may come from any information older than the drafts, and the device still
+allocates a reused budget over the live confidences.
+
+- A verify-all plan whose best trim came nowhere near the guard (predicted gain under half
+  of it) stands for the next `clear_plans - 1` plans. At low load, where trimming does not
+  pay, the search was most of a step's planning (H200, 33.6 M pair: 11.8% of step time).
+- A trimmed plan stands for the next `trimmed_plans - 1`. Its budget sums a whole batch's
+  survivals, which move little from one step to the next. The search costs ~130 µs of host
+  time (2-core development machine, 32 rows), and 150-310 µs in the H200 host's serving loop.
+- A verify-all near the guard is one small move from trimming: it stands no longer than a
+  trimmed plan would. On the H200 host (8B shape, c = 256) such plans were searched at every
+  step, ~0.3 ms each.
+
+Shapes share a standing plan when:
+- their request counts are within ~6% (`nearby_rows`); at c = 256 a request finishes or
+  arrives at nearly every step;
+- their prefill chunks are of the same power-of-two size (`nearby_other`);
+- the opportunity rates of those steps are within ~5% (`rate_group`).
+
+The plan is carried over as the same share of the new shape's drafts (`rescaled`). Steps
+with prefill chunks were most of the searches at c = 256 on the H200 (trained pair), ~0.2-0.3
+ms each. A count of 1: search every plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class BudgetDecision:
+    budget: int  # total draft tokens to verify this step
+    max_budget: int  # sum of capacities (verify-all)
+    theta_best: float  # predicted tokens/ms of the best candidate budget
+    theta_full: float  # predicted tokens/ms of verify-all
+    predicted_gain: float  # theta_best / theta_full - 1
+    trimmed: bool  # budget < max_budget
+
+
+def nearby_rows(num_reqs: int) -> int:
+    """The group of a request count whose plans stand for each other: exact below 16, then
+    16 groups per doubling (240-255, 256-287, ...: within ~6%)."""
+    shift = max(0, num_reqs.bit_length() - 4)
+    return (num_reqs >> shift) << shift
+
+
+def nearby_other(num_other_tokens: int) -> int:
+    """The group of a prefill token count whose plans stand for each other: the same power of
+    two (257-512, ...); 0 (no prefill chunk) alone."""
+    return 1 << (num_other_tokens - 1).bit_length() if num_other_tokens > 0 else 0
+
+
+def rate_group(rate: float | None) -> int | None:
+    """The group of an opportunity rate (tokens/ms decoding would earn) whose plans stand for
+    each other: within ~5% (None: a step without prefill chunks)."""
+    return None if rate is None else int(math.log(max(rate, 1e-6)) * 20.0)
+
+
+def rescaled(d: BudgetDecision, cand: np.ndarray, total: int) -> BudgetDecision:
+    """A standing decision carried to a nearby shape of `total` drafts: verify-all stays
+    verify-all; a trimmed budget keeps its share of the drafts, rounded down to one of this
+    shape's candidate budgets (those that fill a captured graph)."""
+    budget = total
+    if d.trimmed:
+        want = round(d.budget * total / max(d.max_budget, 1))
+        budget = int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)])
+    return BudgetDecision(budget, total, d.theta_best, d.theta_full, d.predicted_gain,
+                          budget < total)  # fmt: skip
+
+
+class StandingPlans:
+    def __init__(self, clear_plans: int = 1, trimmed_plans: int = 1, guard: float = 0.04):
+        self.clear_plans, self.trimmed_plans, self.guard = clear_plans, trimmed_plans, guard
+        self._plans: dict[tuple, list] = {}  # group -> [plans it still stands for, decision]
+
+    @staticmethod
+    def group(num_reqs: int, num_other_tokens: int, trim_penalty_ms: float, all_sampling: bool,
+              opportunity_rate: float | None) -> tuple:  # fmt: skip
+        return (nearby_rows(num_reqs), nearby_other(num_other_tokens), trim_penalty_ms,
+                all_sampling, rate_group(opportunity_rate))  # fmt: skip
+
+    def take(self, group: tuple, cand: np.ndarray, total: int) -> BudgetDecision | None:
+        """The group's standing decision for a shape of `total` drafts (counted as used), or
+        None when none stands."""
+        standing = self._plans.get(group)
+        if standing is None or standing[0] <= 0:
+            return None
+        standing[0] -= 1
+        d = standing[1]
+        return d if d.max_budget == total else rescaled(d, cand, total)
+
+    def put(self, group: tuple, d: BudgetDecision) -> None:
+        """A searched decision, standing for as many plans as its kind earns."""
+        if d.trimmed:
+            stands_for = self.trimmed_plans
+        elif d.predicted_gain < self.guard / 2:  # clear of the guard
+            stands_for = self.clear_plans
+        else:
+            stands_for = min(self.clear_plans, self.trimmed_plans)
+        if stands_for > 1:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            self._plans[group] = [stands_for - 1, d]
+
+    def clear(self) -> None:
+        self._plans.clear()
