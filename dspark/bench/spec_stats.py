@@ -174,23 +174,31 @@ def spec_from_counters(before: dict | None, after: dict | None, num_requests: in
     return summary
 
 
+def _means_per_step(before: dict, after: dict, prefix: str,
+                    fields: dict[str, str]) -> dict[str, dict[str, float]]:
+    """{series: {"steps": n, name: growth / n, ...}} over a level, for the series of counters
+    f"{prefix}:steps:{series}" that counted steps and their f"{prefix}:{field}:{series}"
+    (`fields`: field -> name in the result)."""
+    head, out = f"{prefix}:steps:", {}
+    for key in after:
+        if key.startswith(head):
+            series = key.removeprefix(head)
+            n = after[key] - before.get(key, 0.0)
+            if n > 0:
+                out[series] = {"steps": n} | {
+                    name: (after.get(f"{prefix}:{f}:{series}", 0.0)
+                           - before.get(f"{prefix}:{f}:{series}", 0.0)) / n
+                    for f, name in fields.items()}  # fmt: skip
+    return out
+
+
 def clock_from_counters(before: dict | None, after: dict | None) -> dict | None:
     """{kind: {steps, busy_ms_per_step, idle_ms_per_step}} over a level, from the step-clock
     counters of a server started with DSPARK_STEP_CLOCK=1 (None without them)."""
     if before is None or after is None:
         return None
-    out = {}
-    for key in after:
-        if not key.startswith("clock:steps:"):
-            continue
-        kind = key.removeprefix("clock:steps:")
-        n = after[key] - before.get(key, 0.0)
-        if n > 0:
-            grew = {f: after.get(f"clock:{f}:{kind}", 0.0) - before.get(f"clock:{f}:{kind}", 0.0)
-                    for f in ("busy_ms", "idle_ms")}  # fmt: skip
-            out[kind] = {"steps": n, "busy_ms_per_step": grew["busy_ms"] / n,
-                         "idle_ms_per_step": grew["idle_ms"] / n}  # fmt: skip
-    return out or None
+    return _means_per_step(before, after, "clock", {"busy_ms": "busy_ms_per_step",
+                                                     "idle_ms": "idle_ms_per_step"}) or None
 
 
 def host_cpu(before: dict | None, after: dict | None, duration_s: float,
@@ -250,14 +258,9 @@ def observed_steps(before: dict | None, after: dict | None) -> dict | None:
     if not before or not after:
         return None
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for key in after:
-        if key.startswith("observed:steps:"):
-            kind, batch = key.removeprefix("observed:steps:").split(":", 1)
-            n = after[key] - before.get(key, 0.0)
-            if n > 0:
-                grew = {f: after.get(f"observed:{f}:{kind}:{batch}", 0.0)
-                        - before.get(f"observed:{f}:{kind}:{batch}", 0.0)
-                        for f in ("ms", "residual")}  # fmt: skip
-                out.setdefault(kind, {})[batch] = {
-                    "steps": n, "step_ms": grew["ms"] / n, "residual_ms": grew["residual"] / n}
+    means = _means_per_step(before, after, "observed", {"ms": "step_ms",
+                                                         "residual": "residual_ms"})
+    for series, mean in means.items():  # (series: "kind:batch")
+        kind, batch = series.split(":", 1)
+        out.setdefault(kind, {})[batch] = mean
     return out or None
