@@ -67,7 +67,8 @@ class FixedCosts:
     pair a plain step took 0.57 ms sampled against 0.39 ms greedy at one request). A kind
     this mode has not measured yet takes the other mode's term (`fallback`)."""
 
-    def __init__(self, greedy: bool = True, fallback: FixedCosts | None = None) -> None:
+    def __init__(self, greedy: bool = True, fallback: FixedCosts | None = None,
+                 observed: dict | None = None) -> None:  # fmt: skip
         self.greedy = greedy
         self.fallback = fallback
         self.steps = 0
@@ -76,19 +77,22 @@ class FixedCosts:
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
         # every observed step by kind and batch-size bucket: [steps, their periods' ms, their
         # residuals' ms] (for /metrics: what the terms were learned from, to set against the
-        # step clock's busy + idle and against the window medians)
-        self.observed: dict[tuple[str, int], list[float]] = {}
+        # step clock's busy + idle and against the window medians); one table for both
+        # sampling modes (fixed_costs_by_mode)
+        self.observed: dict[tuple[str, int], list[float]] = {} if observed is None else observed
 
     def observe(self, kind: str, residual_ms: float, num_reqs: int,
                 step_ms: float | None = None) -> None:  # fmt: skip
         """Add one step's residual to its kind's and batch size's window (the first
         measurement of a bucket replaces the table's term outright). `step_ms`: the step's
-        measured period, which the residual was taken from (only totalled)."""
+        measured period, which the residual was taken from (totalled in `observed` when
+        given)."""
         b = size_bucket(num_reqs)
-        total = self.observed.setdefault((kind, b), [0, 0.0, 0.0])
-        total[0] += 1
-        total[1] += residual_ms if step_ms is None else step_ms
-        total[2] += residual_ms
+        if step_ms is not None:
+            total = self.observed.setdefault((kind, b), [0, 0.0, 0.0])
+            total[0] += 1
+            total[1] += step_ms
+            total[2] += residual_ms
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return
@@ -155,7 +159,9 @@ class FixedCosts:
 
 
 def fixed_costs_by_mode() -> dict[bool, FixedCosts]:
-    """One FixedCosts per sampling mode (all rows greedy: True), each the other's fallback."""
-    greedy, sampled = FixedCosts(greedy=True), FixedCosts(greedy=False)
+    """One FixedCosts per sampling mode (all rows greedy: True), each the other's fallback,
+    sharing one table of observed steps."""
+    observed: dict = {}
+    greedy, sampled = FixedCosts(True, observed=observed), FixedCosts(False, observed=observed)
     greedy.fallback, sampled.fallback = sampled, greedy
     return {True: greedy, False: sampled}

@@ -144,22 +144,10 @@ def decoder_metrics(sd) -> dict:
         "acceptance_ratio": {_MODES[g]: sd.drafting.acceptance_ratio(g) for g in _MODES},
         "step_counts": dict(sd.step_counts),
         "scheduler_overhead": sd.overhead.snapshot(),  # (cumulative; not waiting)
-        # the steps the learned terms came from, by kind and batch size, summed over the
-        # modes: [steps, period ms, residual ms] (cumulative)
-        "observed_steps": _summed(fc.observed_totals() for fc in sd._fixed_by_mode.values()),
+        # the steps the learned terms came from, by kind and batch size, both modes (one
+        # table): [steps, period ms, residual ms] (cumulative)
+        "observed_steps": sd.fixed_costs.observed_totals(),
     }
-
-
-def _summed(tables) -> dict[str, dict[str, list[float]]]:
-    """Element-wise sums of {kind: {batch: [numbers]}} tables."""
-    out: dict[str, dict[str, list[float]]] = {}
-    for table in tables:
-        for kind, by_batch in table.items():
-            for batch, values in by_batch.items():
-                into = out.setdefault(kind, {}).setdefault(batch, [0.0] * len(values))
-                for i, v in enumerate(values):
-                    into[i] += v
-    return out
 
 
 STEP_KINDS = ("plain", "draft", "verify", "mixed")
