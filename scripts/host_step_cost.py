@@ -8,7 +8,6 @@ so what is timed is scheduling, packing, the bucket layout, bookkeeping and comm
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import dspark.engine.model_runner as mr  # noqa: E402
 import dspark.engine.step_graph as sgm  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
+from dspark.engine.host_timers import HostTimers  # noqa: E402
 from dspark.engine.step_graph import StepGraphs  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
@@ -157,33 +157,20 @@ def main() -> int:
         from dspark.engine.output_delta import DeltaEncoder
 
         DeltaEncoder().attach(llm.engine)  # (text made by the server's process: not timed)
-    spent = collections.Counter()
-
-    def timed(obj, name):
-        fn = getattr(obj, name)
-
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[name] += time.perf_counter() - t0
-
-        setattr(obj, name, wrapper)
-
+    timers = HostTimers()  # (the serving loop's DSPARK_HOST_TIMERS wrapper, on these parts)
     for obj, name in ((mr, "pack_step"), (sgm, "fill_host"), (llm.engine, "_commit"),
                       (llm.engine, "_deliver_outputs"), (llm.engine.scheduler, "schedule"),
                       (llm.engine.block_tables, "rows"), (sg, "start")):  # fmt: skip
-        timed(obj, name)
+        timers.wrap(obj, name, name)
     if runner.spec is not None:
-        timed(runner.spec, "plan")
+        timers.wrap(runner.spec, "plan", "plan")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))}
                for i in range(args.concurrency)]  # fmt: skip
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"r{i}", p, params)
     prefill_all(llm.engine, sg)  # not timed
-    spent.clear()
+    timers.reset()
     prof = None
     if args.profile:
         import cProfile
@@ -198,7 +185,8 @@ def main() -> int:
         prof.disable()
         prof.dump_stats(args.profile)
     per_step = (time.perf_counter() - t0) / steps * 1e6
-    parts = ", ".join(f"{k} {v / steps * 1e6:.1f}" for k, v in spent.most_common())
+    parts = ", ".join(f"{k} {v / steps * 1e3:.1f}"
+                      for k, v in sorted(timers.ms.items(), key=lambda kv: -kv[1]) if v > 0)
     head = (f"policy {args.policy}{' plain' if args.plain else ''}"
             f"{f' T={args.temperature:g}' if args.temperature else ''}"
             f"{', streaming' if args.stream else ''}"

@@ -48,6 +48,11 @@ class HostTimers:
     def snapshot(self) -> dict[str, float]:
         return dict(self.ms)
 
+    def reset(self) -> None:
+        """Zero every part (in place: the wrappers hold this dict)."""
+        for part in self.ms:
+            self.ms[part] = 0.0
+
 
 def install_host_timers(core) -> HostTimers:
     """Wrap the parts of an EngineCore's loop and of its engine's steps."""
