@@ -8,6 +8,8 @@
 #           a Qwen3-8B layer's elementwise ops; the drafter's context write; the allocation)
 #           -> $OUT/fused.log
 #   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
+#   mixed   steps with prefill chunks against decode / verify steps: launches, device time by
+#           phase and kernel (scripts/profile_mixed.py, demo pair, c = 128) -> $OUT/profile_mixed.txt
 #   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
 #           -> $OUT/step8b/profile_step.txt
 #   train   the benchmark pair (scripts/train_pair.py, ~5 min: step budgets, so the pair does not
@@ -82,6 +84,9 @@ if has profile; then
 fi
 if has step; then
   python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
+fi
+if has mixed; then
+  python3 scripts/profile_mixed.py --out "$OUT" ${MIXED_ARGS:-} 2>&1 | tee "$OUT/mixed.log" | tail -80
 fi
 if has step8b; then
   python3 scripts/make_shape_dirs.py --out /tmp/shapes >/dev/null
