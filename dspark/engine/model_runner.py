@@ -207,10 +207,12 @@ class ModelRunner:
             tokens = self.config.max_num_batched_tokens
             act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
             act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
-            if self._wants_prefill_graphs():  # their memory pool stays allocated
+            if self._wants_prefill_graphs():  # their memory pool stays allocated, and the
+                # whole-step graphs' of steps with prefill chunks (a second pool of that size)
                 from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS
 
-                act += min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
+                pools = 1 + (os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0")
+                act += pools * min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
                     4 * c.hidden_size + 2 * c.intermediate_size) * 2  # fmt: skip
             budget = free - (1 - self.config.gpu_memory_utilization) * total - act
         else:

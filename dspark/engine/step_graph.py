@@ -18,10 +18,16 @@ sentinel slot.
 Families of A: "spec" (rows carry up to K draft slots, every slot verified: T = R(1+K)
 tokens), "trim" (the lagged plan's budget B: the graph allocates the global top-B over the
 current survivals and compacts the stream to a token bucket >= R + B, the bucket being part
-of the key) and "plain" (one token per row, no drafts: no-speculation engines and steps whose
-drafting was skipped). Steps with prefill chunks, top-k/top-p/min-p, probes, traces, the
-threshold / early-stop policies or tensor parallelism run the per-phase path (target-forward
-and drafter graphs, eager glue).
+of the key), "plain" (one token per row, no drafts: no-speculation engines and steps whose
+drafting was skipped) and, for steps with prefill chunks, "mixed" (rows verify drafts) and
+"mixed_plain" (none do). A mixed step's stream is laid out as packed, up to `mixed_tokens`,
+and compacted inside the graph to a token bucket of the prefill graphs (after the lagged
+plan's allocation, if it trims), under the prefill graphs' promised query length. Eager, such
+a step issued ~40-90 kernels (89 for fixed K on the demo pair at c = 128) and took ~3x a
+verify step's host time; under speculation requests finish at different steps, so a third to
+a half of all steps at c >= 128 carry a prompt or two. Steps with top-k/top-p/min-p, probes,
+traces, the threshold / early-stop policies, tensor parallelism or more than `mixed_tokens`
+tokens run the per-phase path (target-forward and drafter graphs, eager glue).
 
 Every graph is captured before serving (`capture_all`, dummy steps), "trim" graphs too unless
 DSPARK_CAPTURE_TRIMS=0; a key not captured is captured on first use: the step runs eagerly
@@ -33,12 +39,13 @@ KV, drafts and outputs. A failed capture marks its key: those steps take the per
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
 import torch
 
-from dspark.attention.base import SENTINEL_SLOT
+from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS, prefill_buckets
 from dspark.engine.input_batch import (
     HostStep,
     StepInputs,
@@ -46,6 +53,7 @@ from dspark.engine.input_batch import (
     record_emitted,
     resolve_pending,
 )
+from dspark.engine.step_graph_capture import MIXED, StepGraphCapture
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
@@ -57,7 +65,7 @@ class CaptureFailed(RuntimeError):
     """A whole-step graph could not be captured (the key is not tried again)."""
 
 
-class StepGraphs:
+class StepGraphs(StepGraphCapture):
     def __init__(self, runner, use_graphs: bool = True):
         self.runner = runner
         self.spec = runner.spec
@@ -68,7 +76,16 @@ class StepGraphs:
         self.buckets = request_buckets(runner.config.max_num_seqs)
         self.blocks = runner.max_blocks_per_seq
         self.max_model_len = runner.max_model_len
-        biggest = Layout(self.buckets[-1], self.buckets[-1] * (1 + self.k), self.blocks)
+        # steps with prefill chunks: the stream as packed (up to mixed_tokens), compacted to a
+        # prefill graphs' token bucket; attention under their promised query length
+        limit = runner.config.max_num_batched_tokens
+        self.mixed_query_len = limit
+        self.mixed_tokens = min(limit, PREFILL_GRAPH_MAX_TOKENS)
+        mixed_on = os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0"
+        self.mixed_buckets = (sorted(set(prefill_buckets(self.mixed_tokens)) | {self.mixed_tokens})
+                              if mixed_on else [])  # fmt: skip
+        biggest = Layout(self.buckets[-1], max(self.buckets[-1] * (1 + self.k),
+                                               self.mixed_tokens), self.blocks)  # fmt: skip
         dev = runner.device
         pin = dev.type == "cuda"
         # Two pinned input and output buffers, used by alternate steps: the engine may launch
@@ -113,9 +130,11 @@ class StepGraphs:
         if spec is not None and (spec.trace is not None or spec.estimator is not None
                                  or (spec.draft_enabled and spec.probing)):  # fmt: skip
             return None
+        if g("max_query_len") > (1 + self.k if g("max_capacity") > 0 else 1):
+            return self._mixed_key(host, budget, rb, mode)  # (prefill chunks)
         if g("max_capacity") == 0:
-            return ("plain", rb, mode) if g("max_query_len") == 1 else None
-        if g("max_query_len") > 1 + self.k or spec.sc.adaptive_policy not in ("fixed", "lagged"):
+            return "plain", rb, mode
+        if spec.sc.adaptive_policy not in ("fixed", "lagged"):
             return None  # threshold / early-stop choose lengths on the device: eager
         tb = self._trim_bucket(rb, host.forward_tokens(budget))
         if budget is None or (budget >= host.num_draft_slots() and tb == rb * (1 + self.k)):
@@ -124,6 +143,20 @@ class StepGraphs:
         # after a probe, or fewer rows): allocate the budget, compact to a token bucket
         key = ("trim", rb, mode, tb)
         return None if key in self.failed else key
+
+    def _mixed_key(self, host: HostStep, budget: int | None, rb: int, mode: str):
+        """(family, rows bucket, mode, token bucket) of a step with prefill chunks; "mixed"
+        when its rows verify drafts. None: its stream is longer than mixed_tokens, its forward
+        than every bucket, or its policy chooses lengths on the device."""
+        drafts = host.num_draft_slots() > 0 and budget != 0
+        if drafts and self.spec.sc.adaptive_policy not in ("fixed", "lagged"):
+            return None
+        if host.get("num_tokens") > self.mixed_tokens:
+            return None
+        n = host.forward_tokens(budget)
+        tb = next((b for b in self.mixed_buckets if b >= n), None)
+        key = ("mixed" if drafts else "mixed_plain", rb, mode, tb)
+        return None if tb is None or key in self.failed else key
 
     def _trim_bucket(self, rb: int, num_tokens: int) -> int:
         """Token bucket of a trimmed step of request bucket rb with num_tokens tokens."""
@@ -156,10 +189,13 @@ class StepGraphs:
         lay = self._layout(key)
         i = self._parity
         host_buf = self.host_bufs[i]
-        fill_host(host, lay, host_buf.numpy(), self._scratch(), self.k, budget)
+        # a step with prefill chunks allocates only if its plan trims (-1: verify every draft)
+        trims = family == "trim" or (family == "mixed" and budget is not None
+                                     and budget < host.num_draft_slots())  # fmt: skip
+        fill_host(host, lay, host_buf.numpy(), self._scratch(), self.k, budget if trims else None)
         self.dev_buf[: lay.size].copy_(host_buf[: lay.size], non_blocking=True)
         if self.spec is not None:
-            self.spec._no_drafts = family == "plain"
+            self.spec._no_drafts = family in ("plain", "mixed_plain")
             self.spec.ran_as_graph = True
         packed = self._replay(key, lambda: self._step(key))
         self._parity = 1 - i  # (only once the step is queued: a failed capture keeps it)
@@ -171,7 +207,7 @@ class StepGraphs:
         # Graphs share one memory pool: a graph replayed after A may reuse memory holding A's
         # outputs, so every later replay (allocation timing, drafter) comes after the copy
         # of A's outputs in stream order.
-        if family == "trim":  # scheduler overhead: the allocation's share of the replay
+        if trims:  # scheduler overhead: the allocation's share of the replay
             self.spec.count_allocation_ms(self.allocation_ms(key))
         if self.proposes():
             method = self.spec.draft_method(mode == "greedy")
@@ -189,7 +225,7 @@ class StepGraphs:
         """Tokens per row in the packed outputs: 1 for plain steps, which sample plainly
         (with synthetic acceptance only greedy ones do: SpecDecoder._verify), else K+1."""
         synthetic = self.spec is not None and self.spec.synthetic_rates is not None
-        plain = key[0] == "plain" and (not synthetic or key[2] == "greedy")
+        plain = key[0] in ("plain", "mixed_plain") and (not synthetic or key[2] == "greedy")
         return 1 if plain else self.k + 1
 
     def _scratch(self) -> int:
@@ -197,6 +233,8 @@ class StepGraphs:
 
     def _layout(self, key: tuple) -> Layout:
         family, rb = key[:2]  # a trimmed step is laid out with every draft slot
+        if family in MIXED:  # the stream as packed, compacted inside the graph
+            return Layout(rb, self.mixed_tokens, self.blocks)
         return Layout(rb, rb if family == "plain" else rb * (1 + self.k), self.blocks)
 
     @torch.no_grad()  # no autograd in a step: fused kernels take only untracked tensors
@@ -228,81 +266,6 @@ class StepGraphs:
         logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
         return graph
 
-    def capture_all(self, trims: bool = True) -> None:
-        """Capture every key a step can take, before serving (a first-use capture would be a
-        stall of ~0.1-1 s in the middle of traffic); `trims=False` leaves the lagged policy's
-        trimmed steps to first use. Dummy steps: every row verifies K drafts (or decodes one
-        token) of an empty context in the reserved block 0, drafts go to the scratch row; a
-        trimmed step's budget fills its token bucket."""
-        families = ("plain",) if self.spec is None else ("plain", "spec")
-        methods = set() if self.spec is None else {self.spec.draft_method(True),
-                                                   self.spec.draft_method(False)}  # fmt: skip
-        trims = trims and self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
-        for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
-            for family in families:
-                for mode in ("greedy", "sample"):
-                    key = (family, rb, mode)
-                    self._dummy_inputs(key)
-                    if self.spec is not None:
-                        self.spec._no_drafts = family == "plain"
-                    self._replay(key, lambda key=key: self._step(key))
-            for tb in self.trim_buckets(rb) if trims else ():
-                for mode in ("greedy", "sample"):
-                    key = ("trim", rb, mode, tb)
-                    rows, budget = self.trim_dummy(rb, tb)
-                    self._dummy_inputs(key, rows)
-                    self.spec._no_drafts = False
-                    self.dev_buf[self._layout(key).budget] = budget
-                    self._replay(key, lambda key=key: self._step(key))
-                self.allocation_ms(key)  # its allocation-only graph, timed once per bucket
-            for method in sorted(methods):
-                self._replay(("draft", rb, method), lambda rb=rb, m=method: self._draft(rb, m))
-        if self.use_graphs:
-            torch.cuda.synchronize()
-
-    def draft_step(self, num_reqs: int, greedy: bool = False):
-        """The drafter's part of a whole-step graph for `num_reqs` rows, as a callable (for
-        the cost profile: drafting costs what it costs in serving, not an eager pass)."""
-        rb = next(b for b in self.buckets if b >= num_reqs)
-        self._dummy_inputs(("spec", rb, "greedy" if greedy else "sample"))
-        method = self.spec.draft_method(greedy)
-        return lambda: self._replay(("draft", rb, method), lambda: self._draft(rb, method))
-
-    def _dummy_inputs(self, key: tuple, real_rows: int | None = None) -> None:
-        """A dummy step of `real_rows` rows (default: the whole bucket), the rest padding."""
-        lay = self._layout(key)
-        r, t = lay.rows, lay.tokens
-        q = t // r  # tokens per row: 1 + K or 1
-        n = r if real_rows is None else real_rows
-        rows = self.dev_buf[: 8 * r].view(8, r)
-        rows.zero_()
-        rows[ROW_FIELDS.index("samples"), :n] = 1
-        rows[ROW_FIELDS.index("caps"), :n] = q - 1
-        rows[ROW_FIELDS.index("nd"), :n] = 1
-        rows[ROW_FIELDS.index("slots")] = self._scratch()
-        temperature = 0.0 if key[2] == "greedy" else 1.0
-        floats = torch.tensor([temperature, 1.0, 0.0], dtype=torch.float32, device=rows.device)
-        self.dev_buf[lay.floats : lay.qsl].view(3, r)[:] = floats.view(torch.int32).long()[:, None]
-        self.dev_buf[lay.qsl : lay.seq_lens] = torch.arange(r + 1, device=rows.device).clamp(
-            max=n) * q  # (padding rows: zero length)  # fmt: skip
-        seq_lens = self.dev_buf[lay.seq_lens : lay.block_tables]
-        seq_lens.zero_()
-        seq_lens[:n] = q
-        self.dev_buf[lay.block_tables : lay.stream] = 0  # block 0: reserved for padding
-        ids, pos, slot_map, src = self.dev_buf[lay.stream : lay.budget].view(4, t)
-        ids.zero_()
-        pos.copy_(torch.arange(t, device=rows.device) % q)
-        pos[n * q :] = 0
-        slot_map.fill_(SENTINEL_SLOT)  # nothing is written to the KV cache
-        src.fill_(-1)
-
-    def trim_dummy(self, rb: int, tb: int) -> tuple[int, int]:
-        """(real rows, budget) of a dummy trimmed step that fills token bucket tb exactly: a
-        bucket below rb rows (e.g. 160 tokens for rows 129..160 of bucket 192) holds fewer
-        rows than the bucket, each without drafts."""
-        rows = min(rb, tb)
-        return rows, tb - rows
-
     # -- device code (captured) --------------------------------------------------------------
     def _rows(self, lay: Layout) -> dict[str, torch.Tensor]:
         buf, r = self.dev_buf, lay.rows
@@ -315,7 +278,9 @@ class StepGraphs:
 
     def _inputs(self, key: tuple) -> StepInputs:
         family, rb, mode = key[:3]
-        spec_rows = family != "plain"  # rows carry draft slots
+        spec_rows = family in ("spec", "trim", "mixed")  # rows verify draft slots
+        # a prefill chunk's query: the prefill graphs' promise (their attention block shape)
+        max_q = self.mixed_query_len if family in MIXED else 1 + self.k if spec_rows else 1
         lay = self._layout(key)
         buf, t = self.dev_buf, lay.tokens
         rows = self._rows(lay)
@@ -331,7 +296,7 @@ class StepGraphs:
             capacities=rows["caps"], num_non_draft=rows["nd"], start_pos=rows["start"],
             slots=rows["slots"], seeds=rows["seeds"], rounds=rows["rounds"],
             temperature=rows["temperature"], top_k=None, top_p=None, min_p=None,
-            num_reqs=rb, num_tokens=t, max_query_len=1 + self.k if spec_rows else 1,
+            num_reqs=rb, num_tokens=t, max_query_len=max_q,
             max_seq_len=self.max_model_len, num_samples=rb, all_greedy=mode == "greedy",
             max_capacity=self.k if spec_rows else 0, max_num_logits=t,
         )  # fmt: skip
@@ -341,6 +306,9 @@ class StepGraphs:
         inp = self._inputs(key)
         if key[0] == "trim":
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
+        elif key[0] in MIXED:  # compacted to the bucket; logits rows <= 1 + K per row
+            finalize(inp, self._mixed_lengths(key, inp), key[3],
+                     min(key[3], key[1] * (1 + self.k)))  # fmt: skip
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
         if rn.feeds_pending:
@@ -360,6 +328,17 @@ class StepGraphs:
         if rn.feeds_pending:
             record_emitted(rn.last_tokens, inp, out, num_out)
         return pack_outputs(out, num_out, inp.lengths)
+
+    def _mixed_lengths(self, key: tuple, inp: StepInputs) -> torch.Tensor:
+        """Verified drafts per row of a step with prefill chunks: none ("mixed_plain"), every
+        draft slot (fixed K; the lagged policy when its plan trims nothing: budget -1), or
+        the lagged plan's allocation."""
+        if key[0] == "mixed_plain":
+            return torch.zeros_like(inp.capacities)
+        if self.spec.sc.adaptive_policy == "fixed":
+            return inp.capacities
+        budget = self.dev_buf[self._layout(key).budget]
+        return torch.where(budget < 0, inp.capacities, self._allocate(key))
 
     def _allocate(self, key: tuple) -> torch.Tensor:
         """The lagged policy's global top-B over the current survivals of a trimmed step."""

@@ -127,7 +127,8 @@ def test_whole_step_graphs_match_enforce_eager(ckpt_dir, tmp_path, policy, tempe
     a = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
     sg = graph.engine.runner.step_graphs
     assert sg is not None and len(sg.graphs) > 0 and sum(sg.steps.values()) >= 5, sg.steps
-    assert graph.engine.runner.prefill_graphs.replays > 0  # the prompts' steps
+    # the prompts' steps (no drafts yet): whole-step graphs too, compacted to a token bucket
+    assert sum(n for key, n in sg.steps.items() if key[0] == "mixed_plain") > 0, sg.steps
     graph.shutdown()
     eager = CudaLLM(path, dtype="float32", speculative_config=spec, enforce_eager=True)
     assert eager.engine.runner.step_graphs is None and eager.engine.runner.prefill_graphs is None
@@ -196,10 +197,14 @@ def test_async_scheduling_on_graphs_matches_synchronous_eager(ckpt_dir, temperat
     assert a == b
 
 
+@pytest.mark.parametrize("mixed_graphs", [True, False])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_chunked_prefill_beside_decode_rows_on_prefill_graphs(ckpt_dir, tmp_path, speculative):
+def test_chunked_prefill_beside_decode_rows_on_graphs(ckpt_dir, tmp_path, monkeypatch,
+                                                      speculative, mixed_graphs):  # fmt: skip
     """Long prompts chunked 64 tokens at a time into steps that also carry decode (and verify)
-    rows replay the prefill graphs; tokens equal the eager engine's."""
+    rows replay whole-step graphs of steps with prefill chunks (DSPARK_MIXED_GRAPHS=0: the
+    per-phase path's prefill graphs); tokens equal the eager engine's."""
+    monkeypatch.setenv("DSPARK_MIXED_GRAPHS", "1" if mixed_graphs else "0")
     path = ckpt_dir("qwen3_gqa2")
     spec = None
     if speculative:
@@ -212,7 +217,13 @@ def test_chunked_prefill_beside_decode_rows_on_prefill_graphs(ckpt_dir, tmp_path
     graphs = fast.engine.runner.prefill_graphs
     assert graphs is not None and graphs.buckets == [16, 32, 64]
     a = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
-    assert graphs.replays >= 5
+    steps = fast.engine.runner.step_graphs.steps
+    mixed = sum(n for key, n in steps.items() if key[0] in ("mixed", "mixed_plain"))
+    if mixed_graphs:  # (rows verifying drafts beside the chunks, under speculation)
+        assert mixed >= 5 and (not speculative or any(key[0] == "mixed" for key in steps))
+        assert {key[3] for key in steps if key[0].startswith("mixed")} <= {16, 32, 64}
+    else:
+        assert mixed == 0 and graphs.replays >= 5
     fast.shutdown()
     slow = CudaLLM(path, dtype="float32", max_num_batched_tokens=64, speculative_config=spec,
                    enforce_eager=True)  # fmt: skip

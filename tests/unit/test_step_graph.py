@@ -78,6 +78,8 @@ def test_padded_step_equals_eager_step(tiny_qwen, drafter, name, temperature):
     families = {"nospec": {"plain"}, "lagged": {"plain", "spec", "trim"}}.get(name, {"spec"})
     buckets = {key[1] for key in used if key[0] in families}
     assert 8 in buckets and len(buckets) >= 2, used  # 5 rows padded to 8, then smaller
+    # the prompts' step (no drafts yet): one graph too, its stream compacted to a bucket
+    assert used.get(("mixed_plain", 8, "greedy" if temperature == 0 else "sample", 64)), used
     if name == "synthetic":
         assert llm.engine.spec_stats.num_accepted_tokens > 0
 
@@ -244,6 +246,50 @@ def test_lagged_with_a_loaded_table_through_the_padded_path(tiny_qwen, drafter, 
             sg.alloc_ms[key[1]] * n for key, n in used.items() if key[0] == "trim")  # fmt: skip
 
 
+def test_trimmed_steps_with_prefill_chunks_through_the_padded_path(tiny_qwen, drafter, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
+    """Prompts admitted beside rows verifying drafts (3 rows for 5 prompts), under a loaded
+    table that prices tokens high: the lagged plan trims some of those steps, which allocate
+    and compact inside their graph; sampled tokens equal the per-phase path's."""
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "cost_table_path": path, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=11 + i)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+
+    def run(step_graphs: bool):
+        llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4,
+                  max_num_seqs=3, num_kv_blocks=200)  # fmt: skip
+        runner = llm.engine.runner
+        if step_graphs:
+            runner.step_graphs = StepGraphs(runner, use_graphs=False)
+            runner.step_graphs.token_buckets = default_buckets(64)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    starts = []
+    real_start = StepGraphs.start
+
+    def spy(self, host, key, budget=None):
+        starts.append((key, budget, host.num_draft_slots()))
+        return real_start(self, host, key, budget)
+
+    ref, eager = run(False)
+    monkeypatch.setattr(StepGraphs, "start", spy)
+    got, llm = run(True)
+    assert got == ref
+    assert llm.engine.spec_stats.num_verified_tokens == eager.engine.spec_stats.num_verified_tokens
+    trimmed = [key for key, budget, slots in starts
+               if key[0] == "mixed" and budget is not None and budget < slots]  # fmt: skip
+    assert trimmed, starts
+    assert all(key[3] in llm.engine.runner.step_graphs.mixed_buckets for key in trimmed)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_synthetic_plain_steps_through_the_padded_path(tiny_qwen, drafter, tmp_path,
                                                        temperature):  # fmt: skip
@@ -309,7 +355,11 @@ def test_padded_steps_under_preemption_prefix_hits_and_chunked_prefill(tiny_qwen
     got, llm = run(spec, True)
     assert got == ref
     assert llm.engine.stats["preemptions"] > 0
-    assert sum(llm.engine.runner.step_graphs.steps.values()) > 5
+    used = llm.engine.runner.step_graphs.steps
+    assert sum(used.values()) > 5
+    # prompt chunks beside decoding rows (verifying drafts, under speculation): graphs too
+    mixed = "mixed_plain" if policy is None else "mixed"
+    assert sum(n for key, n in used.items() if key[0] == mixed) >= 3, used
 
 
 def test_padding_rows_draft_from_an_empty_context(tiny_qwen, drafter):
