@@ -63,15 +63,18 @@ class StepGraphCapture:
     def mixed_startup_keys(self, rb: int) -> list[tuple]:
         """Keys of steps with prefill chunks captured at start-up for request bucket rb: token
         buckets from its fewest rows up to its decode/verify stream plus
-        MIXED_STARTUP_EXTRA_TOKENS; with speculation, those whose rows carry drafts (the rest,
-        steps of a drafting-off adaptive engine, are captured on first use)."""
+        MIXED_STARTUP_EXTRA_TOKENS; with speculation, both those whose rows verify drafts and
+        those whose rows do not (the first prompts; a drafting-off adaptive engine's steps:
+        on the H200, leaving those to first use cost the demo pair's adaptive server 56
+        captures in the middle of its measured levels)."""
         i = self.buckets.index(rb)
         fewest = (self.buckets[i - 1] if i else 0) + 2  # one more row, one with 2+ tokens
         most = rb * (1 + self.k) + MIXED_STARTUP_EXTRA_TOKENS
-        family = "mixed_plain" if self.spec is None else "mixed"
+        families = ("mixed_plain",) if self.spec is None else ("mixed", "mixed_plain")
         buckets = [tb for tb in self.mixed_buckets if tb <= most]
         buckets = [tb for tb in buckets if tb >= fewest] or buckets[-1:]
-        return [(family, rb, mode, tb) for tb in buckets for mode in ("greedy", "sample")]
+        return [(family, rb, mode, tb) for family in families for tb in buckets
+                for mode in ("greedy", "sample")]  # fmt: skip
 
     def draft_step(self, num_reqs: int, greedy: bool = False):
         """The drafter's part of a whole-step graph for `num_reqs` rows, as a callable (for
