@@ -144,12 +144,13 @@ def main() -> int:
                 _ranged(runner.step_graphs, "start", "phase::whole_step_graphs")
             with profile(activities=acts) as prof:
                 llm.generate(*workload(args, 1), use_tqdm=False)
-            report += summarize(prof.events(), f"{arm} T={args.temperature:g} "
-                                f"c={args.concurrency}", args.top)  # fmt: skip
+            lines = summarize(prof.events(), f"{arm} T={args.temperature:g} "
+                              f"c={args.concurrency}", args.top)  # fmt: skip
+            print("\n".join(lines), flush=True)  # (each arm as it ends: a cut run keeps it)
+            report += lines
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_mixed.txt"), "w") as f:
         f.write("\n".join(report) + "\n")
-    print("\n".join(report))
     return 0
 
 
