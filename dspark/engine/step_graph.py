@@ -112,6 +112,11 @@ class StepGraphs(StepGraphCapture):
         # prices those), capped by the full stream of their request bucket
         graphs = runner.graphs
         self.token_buckets = list(graphs.buckets) if graphs is not None else []
+        # the keys of steps with prefill chunks that start-up captures; a step beyond them
+        # (many prompt tokens beside few rows) takes the per-phase path, never a first-use
+        # capture (a stall of tens of ms or more: 59 of them, most now captured at start-up,
+        # slowed the demo pair's adaptive server in the middle of its levels on the H200)
+        self.mixed_keys = {key for rb in self.buckets for key in self.mixed_startup_keys(rb)}
 
     # -- which steps qualify -------------------------------------------------------------------
     def key_for(self, host: HostStep, budget: int | None) -> tuple | None:
@@ -146,8 +151,9 @@ class StepGraphs(StepGraphCapture):
 
     def _mixed_key(self, host: HostStep, budget: int | None, rb: int, mode: str):
         """(family, rows bucket, mode, token bucket) of a step with prefill chunks; "mixed"
-        when its rows verify drafts. None: its stream is longer than mixed_tokens, its forward
-        than every bucket, or its policy chooses lengths on the device."""
+        when its rows verify drafts. None: not a key captured at start-up (mixed_keys: up to
+        the bucket's verify stream plus MIXED_STARTUP_EXTRA_TOKENS tokens), or its policy
+        chooses lengths on the device."""
         drafts = host.num_draft_slots() > 0 and budget != 0
         if drafts and self.spec.sc.adaptive_policy not in ("fixed", "lagged"):
             return None
@@ -156,7 +162,7 @@ class StepGraphs(StepGraphCapture):
         n = host.forward_tokens(budget)
         tb = next((b for b in self.mixed_buckets if b >= n), None)
         key = ("mixed" if drafts else "mixed_plain", rb, mode, tb)
-        return None if tb is None or key in self.failed else key
+        return key if key in self.mixed_keys and key not in self.failed else None
 
     def _trim_bucket(self, rb: int, num_tokens: int) -> int:
         """Token bucket of a trimmed step of request bucket rb with num_tokens tokens."""

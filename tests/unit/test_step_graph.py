@@ -463,3 +463,22 @@ def test_steps_with_prefill_chunks_are_captured_before_serving(tiny_qwen, drafte
     most = 8 * (1 + sg.k) + MIXED_STARTUP_EXTRA_TOKENS
     assert max(key[3] for key in keys) == max(b for b in sg.mixed_buckets if b <= most)
     assert min(key[3] for key in keys) == 16  # (rows 5..8, one of them a prefill chunk)
+
+
+def test_steps_with_prefill_chunks_beyond_the_startup_keys_take_the_per_phase_path(
+        tiny_qwen, drafter, monkeypatch):  # fmt: skip
+    """No first-use capture for them: with no extra tokens captured, the prompts' step (38
+    tokens, bucket 64, beyond 8 rows x 5 = 40 tokens' buckets 16 and 32) runs per-phase,
+    and the tokens equal the per-phase path's."""
+    import dspark.engine.step_graph_capture as capture_mod
+
+    monkeypatch.setattr(capture_mod, "MIXED_STARTUP_EXTRA_TOKENS", 0)
+    spec = {"model": drafter, **SPECS["fixed"]}
+    ref, _, _ = _generate(tiny_qwen, spec, 0.0, step_graphs=False)
+    got, used, llm = _generate(tiny_qwen, spec, 0.0, step_graphs=True)
+    assert got == ref
+    sg = llm.engine.runner.step_graphs
+    assert ("mixed_plain", 8, "greedy", 64) not in sg.mixed_keys
+    assert ("mixed_plain", 8, "greedy", 32) in sg.mixed_keys
+    assert not any(key[0].startswith("mixed") and key[3] > 40 for key in used), used
+    assert used  # (the decode steps still take the graphs)
