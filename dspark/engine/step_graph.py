@@ -26,11 +26,12 @@ plan's allocation, if it trims), under the prefill graphs' promised query length
 a step issued ~40-90 kernels (89 for fixed K on the demo pair at c = 128) and took ~3x a
 verify step's host time; under speculation requests finish at different steps, so a third to
 a half of all steps at c >= 128 carry a prompt or two. Steps with top-k/top-p/min-p, probes,
-traces, the threshold / early-stop policies, tensor parallelism or more than `mixed_tokens`
-tokens run the per-phase path (target-forward and drafter graphs, eager glue).
+traces, the threshold / early-stop policies, tensor parallelism or a prefill key beyond
+`mixed_keys` run the per-phase path (target-forward and drafter graphs, eager glue).
 
 Every graph is captured before serving (`capture_all`, dummy steps), "trim" graphs too unless
-DSPARK_CAPTURE_TRIMS=0; a key not captured is captured on first use: the step runs eagerly
+DSPARK_CAPTURE_TRIMS=0, and steps with prefill chunks up to `mixed_keys` (past those: the
+per-phase path). Any other key not captured is captured on first use: the step runs eagerly
 once (warm-up, same result), is captured and replayed. Every op of a
 step is deterministic given its inputs, so re-running it over the same inputs writes the same
 KV, drafts and outputs. A failed capture marks its key: those steps take the per-phase path.
