@@ -3,9 +3,10 @@ of the same engine: kernel and graph launches, the device time of the kernels it
 (by phase and by kernel) and the host time of its phases, under torch.profiler.
 
 In serving, requests finish at different steps under speculation, so new prompts arrive one or
-two at a time and a third to a half of all steps at c >= 128 carry a prefill chunk (the
-nineteenth session's e2e run: 902 of 2,258 steps at c = 256, T = 1). Those steps take the
-per-phase path (eager glue around the target-forward graphs). Workload: `--prompts` prompts
+two at a time and 30-45% of all steps at c >= 128 carry a prefill chunk (the
+nineteenth session's e2e run: 902 of 2,258 steps at c = 256, T = 1). Those steps took the
+per-phase path (eager glue around the target-forward graphs) until whole-step graphs covered
+them (DSPARK_MIXED_GRAPHS=0 restores it, for comparison). Workload: `--prompts` prompts
 (default 4 x concurrency) of staggered output lengths through an engine of `concurrency` rows.
 
     python3 scripts/profile_mixed.py --out $OUT          # GPU, bundled demo pair, c = 128

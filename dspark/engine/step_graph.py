@@ -24,8 +24,8 @@ drafting was skipped) and, for steps with prefill chunks, "mixed" (rows verify d
 and compacted inside the graph to a token bucket of the prefill graphs (after the lagged
 plan's allocation, if it trims), under the prefill graphs' promised query length. Eager, such
 a step issued ~40-90 kernels (89 for fixed K on the demo pair at c = 128) and took ~3x a
-verify step's host time; under speculation requests finish at different steps, so a third to
-a half of all steps at c >= 128 carry a prompt or two. Steps with top-k/top-p/min-p, probes,
+verify step's host time; under speculation requests finish at different steps, so 30-45%
+of all steps at c >= 128 carry a prompt or two. Steps with top-k/top-p/min-p, probes,
 traces, the threshold / early-stop policies, tensor parallelism or a prefill key beyond
 `mixed_keys` run the per-phase path (target-forward and drafter graphs, eager glue).
 
