@@ -62,6 +62,19 @@ SPECS = {
 }  # fmt: skip
 
 
+def _costly_tokens_spec(drafter, tmp_path) -> dict:
+    """A lagged engine under a loaded table that prices tokens high, with drafts accepted
+    often (synthetic): some of its steps trim."""
+    from dspark.spec.cost_model import CostModel
+
+    path = str(tmp_path / "cost.json")
+    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
+                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
+    return {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+            "cost_table_path": path, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_padded_step_equals_eager_step(tiny_qwen, drafter, name, temperature):
@@ -251,14 +264,7 @@ def test_trimmed_steps_with_prefill_chunks_through_the_padded_path(tiny_qwen, dr
     """Prompts admitted beside rows verifying drafts (3 rows for 5 prompts), under a loaded
     table that prices tokens high: the lagged plan trims some of those steps, which allocate
     and compact inside their graph; sampled tokens equal the per-phase path's."""
-    from dspark.spec.cost_model import CostModel
-
-    path = str(tmp_path / "cost.json")
-    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
-                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
-    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
-            "cost_table_path": path, "rejection_sample_method": "synthetic",
-            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    spec = _costly_tokens_spec(drafter, tmp_path)
     params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=11 + i)
               for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
 
@@ -411,14 +417,7 @@ def test_step_reports_the_tokens_its_forward_ran_on(tiny_qwen, drafter, tmp_path
     report the tokens left after trimming (non-draft tokens + verified drafts), not the packed
     stream. The padded path reported the packed count: on the H200 every trimmed step looked
     like a verify-all one and the learned fixed term went far negative."""
-    from dspark.spec.cost_model import CostModel
-
-    path = str(tmp_path / "cost.json")
-    CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
-                       draft_base_ms=0.1, draft_ms_per_req=0.0).to_json(path)  # fmt: skip
-    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
-            "cost_table_path": path, "rejection_sample_method": "synthetic",
-            "synthetic_acceptance_rates": [0.9, 0.6, 0.3, 0.1]}  # fmt: skip
+    spec = _costly_tokens_spec(drafter, tmp_path)
     llm = _llm(tiny_qwen, spec, step_graphs)
     runner = llm.engine.runner
     seen, launch = [], runner.launch
