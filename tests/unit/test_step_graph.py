@@ -27,8 +27,9 @@ def drafter(tiny_qwen, tmp_path_factory):
 
 def _llm(target, spec, step_graphs: bool, capture_all: bool = False) -> LLM:
     """A CPU engine; with `step_graphs`, decode steps take the padded whole-step path."""
+    # (a 64-token step budget: start-up's dummy steps with prefill chunks stay small on the CPU)
     llm = LLM(target, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=8,
-              num_kv_blocks=200)  # fmt: skip
+              num_kv_blocks=200, max_num_batched_tokens=64)  # fmt: skip
     runner = llm.engine.runner
     if step_graphs:
         runner.step_graphs = StepGraphs(runner, use_graphs=False)
@@ -111,7 +112,7 @@ def test_trimmed_dummy_step_below_its_request_bucket(tiny_qwen, drafter):
     real rows, two of padding, and leaves the engine's output unchanged."""
     spec = {"model": drafter, **SPECS["lagged"]}
     llm = LLM(tiny_qwen, speculative_config=spec, device="cpu", block_size=4, max_num_seqs=12,
-              num_kv_blocks=200)  # fmt: skip
+              num_kv_blocks=200, max_num_batched_tokens=64)  # fmt: skip
     sg = StepGraphs(llm.engine.runner, use_graphs=False)
     sg.token_buckets = [1, 2, 4, 8, 10, 16, 32, 64]
     assert 10 in sg.trim_buckets(12) and sg.trim_dummy(12, 10) == (10, 0)
