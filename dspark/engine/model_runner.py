@@ -191,10 +191,19 @@ class ModelRunner:
             per += self.spec.drafter.kv_cache_bytes_per_block(self.block_size)
         return per
 
+    def _graphs_of_prefill_chunks(self) -> int:
+        """How many sets of graphs over prefill chunks' token counts are to be captured (their
+        pools are reserved first): the per-phase path's prefill graphs, and the whole-step
+        graphs of steps with prefill chunks (step_graph.py)."""
+        if not (self.device.type == "cuda" and self.backend.name == "triton"
+                and not self.config.enforce_eager and self.tp.size == 1):  # fmt: skip
+            return 0
+        return sum(os.environ.get(name, "1") != "0"
+                   for name in ("DSPARK_PREFILL_GRAPHS", "DSPARK_MIXED_GRAPHS"))  # fmt: skip
+
     def _wants_prefill_graphs(self) -> bool:
-        """Whether prefill CUDA graphs are to be captured (their pool is reserved first)."""
-        return (self.device.type == "cuda" and self.backend.name == "triton"
-                and not self.config.enforce_eager and self.tp.size == 1
+        """Whether the per-phase path's prefill CUDA graphs are to be captured."""
+        return (self._graphs_of_prefill_chunks() > 0
                 and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0")  # fmt: skip
 
     def _num_kv_blocks(self) -> int:
@@ -207,11 +216,10 @@ class ModelRunner:
             tokens = self.config.max_num_batched_tokens
             act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
             act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
-            if self._wants_prefill_graphs():  # their memory pool stays allocated, and the
-                # whole-step graphs' of steps with prefill chunks (a second pool of that size)
+            pools = self._graphs_of_prefill_chunks()  # their memory pools stay allocated
+            if pools:
                 from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS
 
-                pools = 1 + (os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0")
                 act += pools * min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
                     4 * c.hidden_size + 2 * c.intermediate_size) * 2  # fmt: skip
             budget = free - (1 - self.config.gpu_memory_utilization) * total - act

@@ -2,6 +2,8 @@
 tests/e2e/test_cuda_graphs.py): any step with a prefill chunk up to PREFILL_GRAPH_MAX_TOKENS
 tokens, in the smallest bucket that holds it, never one the decode graphs take."""
 
+import pytest
+
 from dspark import LLM
 from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS, CudaGraphRunner, prefill_buckets
 
@@ -61,3 +63,28 @@ def test_nested_capture_guards_collect_garbage_once(monkeypatch):
     with cuda_graph.capture_guard():  # the failed guard left no depth behind: this one collects
         pass
     assert len(collections) == 3
+
+
+@pytest.mark.parametrize(("prefill", "mixed", "pools"), [("1", "1", 2), ("0", "1", 1),
+                                                          ("1", "0", 1), ("0", "0", 0)])
+def test_kv_budget_reserves_a_pool_per_set_of_prefill_chunk_graphs(monkeypatch, prefill, mixed,
+                                                                   pools):  # fmt: skip
+    """The KV cache is sized after reserving activation pools for the graphs over prefill
+    chunks' token counts: the per-phase prefill graphs and the whole-step graphs of steps with
+    prefill chunks, each switched off by its own variable; none without CUDA graphs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dspark.engine.model_runner import ModelRunner
+
+    monkeypatch.setenv("DSPARK_PREFILL_GRAPHS", prefill)
+    monkeypatch.setenv("DSPARK_MIXED_GRAPHS", mixed)
+    fake = SimpleNamespace(device=torch.device("cuda"), backend=SimpleNamespace(name="triton"),
+                           config=SimpleNamespace(enforce_eager=False), tp=SimpleNamespace(size=1))
+    fake._graphs_of_prefill_chunks = lambda: ModelRunner._graphs_of_prefill_chunks(fake)
+    assert ModelRunner._graphs_of_prefill_chunks(fake) == pools
+    assert ModelRunner._wants_prefill_graphs(fake) == (prefill == "1")
+    fake.config.enforce_eager = True
+    assert ModelRunner._graphs_of_prefill_chunks(fake) == 0
+    assert not ModelRunner._wants_prefill_graphs(fake)
