@@ -24,27 +24,14 @@ from collections import Counter, defaultdict
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import ASSETS, ranged  # noqa: E402  (the demo pair; profiler ranges)
 
 from dspark import LLM, SamplingParams  # noqa: E402
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dspark", "assets", "demo")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx")
 PHASES = (("forward", "target_forward"), ("verify", "verify"), ("propose", "propose"),
           ("choose_lengths", "allocate"))  # fmt: skip
-
-
-def _ranged(obj, name: str, label) -> None:
-    """Wrap obj.name in a profiler range (label: a string, or a function of the call's
-    arguments that returns one)."""
-    from torch.profiler import record_function
-
-    fn = getattr(obj, name)
-
-    def wrapped(*a, **k):
-        with record_function(label if isinstance(label, str) else label(*a, **k)):
-            return fn(*a, **k)
-
-    setattr(obj, name, wrapped)
 
 
 def _step_kind(sched, block_tables) -> str:
@@ -136,13 +123,13 @@ def main() -> int:
         with LLM(args.target, speculative_config=arms[arm], **kw) as llm:
             runner = llm.engine.runner
             llm.generate(*workload(args, 0), use_tqdm=False)  # warm-up (first-use captures)
-            _ranged(runner, "launch", _step_kind)
+            ranged(runner, "launch", _step_kind)
             for name, label in PHASES:
                 owner = runner if name == "forward" else runner.spec
                 if owner is not None:
-                    _ranged(owner, name, f"phase::{label}")
+                    ranged(owner, name, f"phase::{label}")
             if runner.step_graphs is not None:
-                _ranged(runner.step_graphs, "start", "phase::whole_step_graphs")
+                ranged(runner.step_graphs, "start", "phase::whole_step_graphs")
             with profile(activities=acts) as prof:
                 llm.generate(*workload(args, 1), use_tqdm=False)
             lines = summarize(prof.events(), f"{arm} T={args.temperature:g} "

@@ -48,17 +48,23 @@ def measure(llm: LLM, conc: int, args, temp: float) -> dict:
             "tok_s": toks / wall, "acc": sum(acc) / len(acc) if acc else None}  # fmt: skip
 
 
-def _phase(obj, name: str, label: str) -> None:
-    """Wrap obj.name in a profiler range `phase::label` (instance attribute; profiling only)."""
+def ranged(obj, name: str, label) -> None:
+    """Wrap obj.name in a profiler range named `label`, or by `label(*args, **kwargs)` of each
+    call (instance attribute; profiling only; scripts/profile_mixed.py uses it too)."""
     from torch.profiler import record_function
 
     fn = getattr(obj, name)
 
     def wrapped(*a, **k):
-        with record_function(f"phase::{label}"):
+        with record_function(label if isinstance(label, str) else label(*a, **k)):
             return fn(*a, **k)
 
     setattr(obj, name, wrapped)
+
+
+def _phase(obj, name: str, label: str) -> None:
+    """Wrap obj.name in a profiler range `phase::label`."""
+    ranged(obj, name, f"phase::{label}")
 
 
 def label_phases(llm: LLM) -> None:

@@ -64,6 +64,19 @@ def test_profile_step_smoke(tmp_path):
     assert re.search(r"^  commit +[0-9.]+ us host per step", proc.stdout, re.M)
 
 
+def test_profile_mixed_smoke(tmp_path):
+    """Steps with prefill chunks and decode/verify steps are told apart and profiled by phase
+    (the demo pair on the CPU, two arms)."""
+    proc = _smoke("profile_mixed.py", tmp_path, "--arms", "nospec,fixed")
+    report = (tmp_path / "profile_mixed.txt").read_text()
+    assert "### nospec T=1 c=4" in report and "### fixed T=1 c=4" in report
+    kinds = re.findall(r"^(\w+) +(\d+) steps:", report, re.M)
+    assert [k for k, _ in kinds] == ["mixed", "plain", "mixed", "verify"]
+    assert all(int(n) > 0 for _, n in kinds)
+    assert re.search(r"^    verify +host +[0-9.]+ us", report, re.M)  # (fixed K's phases)
+    assert "### fixed" in proc.stdout  # (each arm printed as it ends)
+
+
 def _free_port_block(n: int) -> int:
     """A base port whose next n ports were free a moment ago (the script binds base + i)."""
     for _ in range(50):
