@@ -15,7 +15,6 @@ them (DSPARK_MIXED_GRAPHS=0 restores it, for comparison). Workload: `--prompts` 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step import ASSETS, ranged  # noqa: E402  (the demo pair; profiler ranges)
+from profile_step import pair_parser, ranged  # noqa: E402  (pair arguments; ranges)
 
 from dspark import LLM, SamplingParams  # noqa: E402
 
@@ -93,11 +92,7 @@ def summarize(events, label: str, top: int) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
-    ap.add_argument("--drafter", default=os.path.join(ASSETS, "drafter"))
-    ap.add_argument("--k", type=int, default=7)
+    ap = pair_parser(__doc__)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=0, help="default: 4 x concurrency")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -214,12 +214,18 @@ def profile(llm: LLM, args, temp: float, label: str) -> str:
     return "\n".join(text)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+def pair_parser(doc: str) -> argparse.ArgumentParser:
+    """A profiling script's arguments for its pair (default: the bundled demo pair) and K."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=os.path.join(ASSETS, "target"))
     ap.add_argument("--drafter", default=os.path.join(ASSETS, "drafter"))
     ap.add_argument("--k", type=int, default=7)
+    return ap
+
+
+def main() -> int:
+    ap = pair_parser(__doc__)
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
