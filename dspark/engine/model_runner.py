@@ -35,6 +35,7 @@ from dspark.engine.input_batch import (
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.engine.step_clock import clock_for
 from dspark.engine.step_graph import CaptureFailed, StepGraphs
+from dspark.engine.step_graph_capture import mixed_graphs_enabled
 from dspark.engine.step_layout import pack_outputs, unpack_outputs
 from dspark.forward_context import ForwardContext, forward_context
 from dspark.layers.parallel import SINGLE, tensor_parallel
@@ -191,20 +192,22 @@ class ModelRunner:
             per += self.spec.drafter.kv_cache_bytes_per_block(self.block_size)
         return per
 
+    def _captures_graphs_of_prefill_chunks(self) -> bool:
+        """Whether this runner can capture graphs over prefill chunks' token counts."""
+        return (self.device.type == "cuda" and self.backend.name == "triton"
+                and not self.config.enforce_eager and self.tp.size == 1)  # fmt: skip
+
+    def _wants_prefill_graphs(self) -> bool:
+        """Whether the per-phase path's prefill CUDA graphs are to be captured."""
+        return (self._captures_graphs_of_prefill_chunks()
+                and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0")  # fmt: skip
+
     def _graphs_of_prefill_chunks(self) -> int:
         """How many sets of graphs over prefill chunks' token counts are to be captured (their
         pools are reserved first): the per-phase path's prefill graphs, and the whole-step
         graphs of steps with prefill chunks (step_graph.py)."""
-        if not (self.device.type == "cuda" and self.backend.name == "triton"
-                and not self.config.enforce_eager and self.tp.size == 1):  # fmt: skip
-            return 0
-        return sum(os.environ.get(name, "1") != "0"
-                   for name in ("DSPARK_PREFILL_GRAPHS", "DSPARK_MIXED_GRAPHS"))  # fmt: skip
-
-    def _wants_prefill_graphs(self) -> bool:
-        """Whether the per-phase path's prefill CUDA graphs are to be captured."""
-        return (self._graphs_of_prefill_chunks() > 0
-                and os.environ.get("DSPARK_PREFILL_GRAPHS", "1") != "0")  # fmt: skip
+        mixed = self._captures_graphs_of_prefill_chunks() and mixed_graphs_enabled()
+        return int(self._wants_prefill_graphs()) + int(mixed)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -40,7 +40,6 @@ KV, drafts and outputs. A failed capture marks its key: those steps take the per
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -54,7 +53,7 @@ from dspark.engine.input_batch import (
     record_emitted,
     resolve_pending,
 )
-from dspark.engine.step_graph_capture import MIXED, StepGraphCapture
+from dspark.engine.step_graph_capture import MIXED, StepGraphCapture, mixed_graphs_enabled
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
@@ -82,9 +81,8 @@ class StepGraphs(StepGraphCapture):
         limit = runner.config.max_num_batched_tokens
         self.mixed_query_len = limit
         self.mixed_tokens = min(limit, PREFILL_GRAPH_MAX_TOKENS)
-        mixed_on = os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0"
         self.mixed_buckets = (sorted(set(prefill_buckets(self.mixed_tokens)) | {self.mixed_tokens})
-                              if mixed_on else [])  # fmt: skip
+                              if mixed_graphs_enabled() else [])  # fmt: skip
         biggest = Layout(self.buckets[-1], max(self.buckets[-1] * (1 + self.k),
                                                self.mixed_tokens), self.blocks)  # fmt: skip
         dev = runner.device

@@ -9,6 +9,8 @@ row and they write nothing to the KV cache (the sentinel slot).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dspark.attention.base import SENTINEL_SLOT
@@ -19,6 +21,12 @@ MIXED = ("mixed", "mixed_plain")  # families of steps with prefill chunks (step_
 # bucket's decode/verify stream (a typical step admits one or two prompts); larger ones are
 # captured on first use
 MIXED_STARTUP_EXTRA_TOKENS = 1024
+
+
+def mixed_graphs_enabled() -> bool:
+    """Whole-step graphs for steps with prefill chunks (DSPARK_MIXED_GRAPHS=0: the per-phase
+    path's, as before them)."""
+    return os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0"
 
 
 class StepGraphCapture:

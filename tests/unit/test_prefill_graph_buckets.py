@@ -72,7 +72,7 @@ def test_kv_budget_reserves_a_pool_per_set_of_prefill_chunk_graphs(monkeypatch, 
     """The KV cache is sized after reserving activation pools for the graphs over prefill
     chunks' token counts: the per-phase prefill graphs and the whole-step graphs of steps with
     prefill chunks, each switched off by its own variable; none without CUDA graphs."""
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     import torch
 
@@ -82,7 +82,8 @@ def test_kv_budget_reserves_a_pool_per_set_of_prefill_chunk_graphs(monkeypatch, 
     monkeypatch.setenv("DSPARK_MIXED_GRAPHS", mixed)
     fake = SimpleNamespace(device=torch.device("cuda"), backend=SimpleNamespace(name="triton"),
                            config=SimpleNamespace(enforce_eager=False), tp=SimpleNamespace(size=1))
-    fake._graphs_of_prefill_chunks = lambda: ModelRunner._graphs_of_prefill_chunks(fake)
+    for name in ("_captures_graphs_of_prefill_chunks", "_wants_prefill_graphs"):
+        setattr(fake, name, MethodType(getattr(ModelRunner, name), fake))
     assert ModelRunner._graphs_of_prefill_chunks(fake) == pools
     assert ModelRunner._wants_prefill_graphs(fake) == (prefill == "1")
     fake.config.enforce_eager = True
