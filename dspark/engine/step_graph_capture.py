@@ -18,8 +18,8 @@ from dspark.engine.step_layout import ROW_FIELDS
 
 MIXED = ("mixed", "mixed_plain")  # families of steps with prefill chunks (step_graph.py)
 # steps with prefill chunks captured at start-up: up to this many tokens beyond the request
-# bucket's decode/verify stream (a typical step admits one or two prompts); larger ones are
-# captured on first use
+# bucket's decode/verify stream (a typical step admits one or two prompts); larger ones take
+# the per-phase path (StepGraphs.mixed_keys), never a first-use capture
 MIXED_STARTUP_EXTRA_TOKENS = 1024
 
 
