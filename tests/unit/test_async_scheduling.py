@@ -172,3 +172,30 @@ def test_speculative_engine_schedules_ahead_only_after_plain_steps(
         assert len(ahead) >= 4 and st.num_drafted_tokens > 0
     else:  # drafting pays: steps draft and verify, so they are waited for at once
         assert 0 < st.num_verified_tokens < st.num_drafted_tokens
+
+
+def test_a_waited_for_steps_outputs_are_built_while_the_next_step_runs(tiny_qwen, drafter):
+    """A speculative step is waited for in the call that launched it (never left in flight),
+    but its outputs are built in the next call, after that call's launch: the output work
+    (text, deltas, the driver's delivery) overlaps the next step's device work instead of
+    sitting between two steps while the device idles. Only the last step's outputs, with
+    nothing after it, come at once."""
+    spec = {"model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "fixed"}
+    llm = LLM(tiny_qwen, device="cpu", speculative_config=spec)
+    eng, log = llm.engine, []
+    assert eng.async_scheduling
+    trace_steps(eng, log)
+    eng.stream_outputs = True
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i in range(2):
+        eng.add_request(f"y{i}", {"prompt_token_ids": [9, 4 + i, 6]}, params)
+    while eng.has_unfinished_requests():
+        assert eng.step() == []  # (delivered through on_outputs)
+    launches = [e[1] for e in log if e[0] == "launch"]
+    deliveries = [i for i, e in enumerate(log) if e[0] == "outputs"]
+    assert len(launches) >= 3 and len(deliveries) == len(launches)
+    for n, at in enumerate(deliveries[:-1]):
+        # step n was waited for in its own call; its outputs follow step n+1's launch
+        assert log[at - 1] == ("launch", n + 1) and log.index(("wait", n)) < at - 1, log
+    last = launches[-1]
+    assert log[-2:] == [("wait", last), ("outputs", [("y0", True), ("y1", True)])]
