@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 2048, plus max-num-seqs x K with speculation)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -121,6 +121,11 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+# the step's token budget when none is given; with speculation, every row's K draft slots
+# are added to it (EngineConfig.__post_init__)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -130,7 +135,10 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, plus max_num_seqs * K with speculation (verify
+    # rows take 1 + K tokens each: at 256 rows and K = 7 they alone filled 2048, and a new
+    # prompt was admitted only in what finishing rows freed)
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # override the computed cache size
@@ -148,6 +156,10 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.max_num_batched_tokens is None and isinstance(self.max_num_seqs, int):
+            sc = self.speculative_config
+            drafts = 0 if sc is None else self.max_num_seqs * sc.num_speculative_tokens
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS + drafts
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size"):  # fmt: skip
             v = getattr(self, name)

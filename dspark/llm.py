@@ -22,7 +22,7 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         speculative_config: dict | None = None,

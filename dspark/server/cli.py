@@ -42,7 +42,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--served-model-name", default=None, help="model id in the API (default: --model)")
     a("--max-num-seqs", type=_positive_int, default=256)
     a("--max-model-len", type=_positive_int, default=None)
-    a("--max-num-batched-tokens", type=_positive_int, default=2048)
+    a("--max-num-batched-tokens", type=_positive_int, default=None,
+      help="tokens per step (default: 2048, plus max-num-seqs x K with speculation)")
     a("--block-size", type=_positive_int, default=16)
     a("--num-kv-blocks", type=_positive_int, default=None, help="override the KV cache size")
     a("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
