@@ -35,7 +35,7 @@ class StepLog:
 
         def spy_launch(sched, tables):
             spec = runner.spec
-            plan0 = None if spec is None else spec.plan_ms
+            plan0 = None if spec is None else spec.overhead.plan_total_ms()
             wait = launch(sched, tables)
             rec = {"rows": len(sched.rows), "tokens": sched.num_tokens,
                    "prefill": any(r.num_non_draft_tokens > 1 for r in sched.rows),
@@ -43,7 +43,8 @@ class StepLog:
                    "drafting": None if spec is None else bool(spec.draft_enabled),
                    "budget": None if spec is None else spec.last_budget}  # fmt: skip
             if spec is not None:  # what the drafting decision saw at this batch size
-                rec["plan_ms"] = spec.plan_ms - plan0  # (the scheduler overhead's planning)
+                # (the scheduler overhead's planning)
+                rec["plan_ms"] = spec.overhead.plan_total_ms() - plan0
                 n = len(sched.rows)
                 rec["fixed_spec"] = spec.fixed_costs.get("spec", n)
                 rec["fixed_plain"] = spec.fixed_costs.get("plain", n)

@@ -386,10 +386,6 @@ class SpecDecoder:
         """Allocation time measured elsewhere (inside a whole-step graph)."""
         self.overhead.add_alloc(float(ms))
 
-    @property
-    def plan_ms(self) -> float:
-        return sum(self.overhead.plan_ms.values())
-
     def scheduler_overhead_ms(self) -> tuple[float, float]:
         """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
         for them, so call this from reports, not from the step (/metrics reads

@@ -88,10 +88,13 @@ class Overhead:
                 left.append(span)
         self._spans = left
 
+    def plan_total_ms(self) -> float:
+        return sum(self.plan_ms.values())
+
     def totals(self) -> tuple[float, float]:
         """(planning ms, allocation ms) so far; waits for the device's timers."""
         self._drain(wait=True)
-        return sum(self.plan_ms.values()), self.alloc_ms
+        return self.plan_total_ms(), self.alloc_ms
 
     def snapshot(self) -> dict:
         """Cumulative totals without waiting (allocations still in flight are left out)."""
