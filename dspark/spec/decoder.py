@@ -74,6 +74,7 @@ class SpecDecoder:
         self.cost = None
         self._online_cost = False
         self._step_reqs, self._step_other = 0, 0  # of the step planned last
+        self._step_trimmed = False  # ... and whether its plan trimmed
         self._prediction: tuple | None = None  # see take_prediction
         self.cost_status = "not needed by this policy"
         self.planner: Planner | None = None
@@ -177,12 +178,14 @@ class SpecDecoder:
         if total > 0:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
             caps, slots = rows[1], rows[4]
-            # one new token per row otherwise (no prefill chunk): verify-all can be a graph
-            # (and with trimmed graphs, so can a trimmed plan: no penalty)
-            graph_ok = self.graph_steps and other == 0
-            eager_trim = graph_ok and not self.graph_trims
-            penalty = (self.fixed_costs.trim_penalty_ms(self.cost.fixed_overhead_ms, n)
-                       if eager_trim else 0.0)  # fmt: skip
+            # a decode step's trimmed plan pays what trimmed steps were measured to cost
+            # beyond untrimmed ones (online_cost.py), in steps of 0.02 ms (a standing plan's
+            # group holds it: the window's median moves on most steps)
+            penalty = 0.0
+            if other == 0 and self._online_cost:
+                eager_trims = self.graph_steps and not self.graph_trims
+                penalty = round(50.0 * self.fixed_costs.trim_penalty_ms(
+                    self.cost.fixed_overhead_ms, n, eager_trims)) / 50.0  # fmt: skip
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
             rate = None
             if other > 0:
@@ -204,6 +207,7 @@ class SpecDecoder:
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         self.last_budget = budget
+        self._step_trimmed = 0 <= budget < total  # (step_tag: a trimmed step's own term)
         self.draft_enabled, probe = self.drafting.after_plan(
             decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
@@ -363,7 +367,8 @@ class SpecDecoder:
             return None
         if not self.draft_enabled:
             return ("plain", 0.0, self.fixed_costs.greedy) if self._no_drafts else None
-        kind = "eager" if self.graph_steps and not self.ran_as_graph else "spec"
+        kind = ("trim" if self._step_trimmed
+                else "eager" if self.graph_steps and not self.ran_as_graph else "spec")  # fmt: skip
         return kind, self.cost.draft_lookup(self._step_reqs), self.fixed_costs.greedy
 
     def take_prediction(self) -> tuple | None:

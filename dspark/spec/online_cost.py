@@ -15,8 +15,19 @@ took 2.5, and kept it until the next probe):
   plain  steps without speculation (drafting skipped): the baseline drafting must beat
          (while every step drafts, the decoder runs a few plain steps now and then to
          measure it: drafting.py);
-  eager  speculative steps on the eager path, when whole-step graphs exist: a trimmed plan
-         pays its excess over `spec` (`trim_penalty_ms`).
+  trim   speculative steps whose plan trimmed (verified fewer drafts than laid out), on any
+         path: a trimmed plan pays their excess over `spec` (`trim_penalty_ms`). The table
+         prices a trimmed step by its forward tokens; where the host, not the device, bounds
+         the step, fewer tokens save nothing and the residual grows by what the table
+         promised (H200, trained pair, c = 32: trimmed verify steps 1.07 ms busy + 0.83 idle
+         against fixed K's untrimmed 1.03 + 0.72, 22% of drafts unverified, -10% against
+         fixed K). The excess, measured, takes that promise back; where trimming does save
+         time (device-bound steps) it is ~0. Only a bucket's own trimmed steps count, and
+         only while fresh (TRIM_FRESH_STEPS): otherwise a penalty that stopped all trimming
+         would never be re-measured;
+  eager  untrimmed speculative steps on the eager path when whole-step graphs exist (trimmed
+         ones are `trim`); where trimmed plans run eagerly (no trimmed graphs) and no trimmed
+         step was measured, their excess over `spec` is the penalty.
 Steps that verify a draft probe's drafts while drafting is off are not observed: they carry
 the decision made on those drafts (a decision step planned for 0.26-0.38 ms on the H200's host
 against 0.02-0.03 ms for others, demo pair) and, drafting being off, they were the only
@@ -47,7 +58,10 @@ WINDOW = 15  # residuals kept per kind and bucket (odd: the median is one of the
 # few times in those moments, and one such term (2.5 ms at 2-3 requests, H200, against
 # speculative steps of 1.1-1.4 ms in all at 1 and 4) turned drafting off at c = 4
 MIN_SAMPLES = 8
-KINDS = ("spec", "plain", "eager")
+KINDS = ("spec", "plain", "eager", "trim")
+# observed steps (all kinds) after which a bucket's trimmed-step term is dropped, to be
+# measured afresh (MIN_SAMPLES trimmed steps) before it prices trims again
+TRIM_FRESH_STEPS = 2048
 
 
 def size_bucket(num_reqs: int) -> int:
@@ -97,6 +111,8 @@ class FixedCosts:
         if self.steps <= WARMUP_STEPS:
             return
         window = self._recent[kind].get(b)
+        if kind == "trim" and self._stale_trims(b):
+            window.clear()  # measured afresh: MIN_SAMPLES new steps before it prices trims
         if window is None:
             window = self._recent[kind][b] = deque(maxlen=WINDOW)
         window.append(residual_ms)
@@ -152,10 +168,21 @@ class FixedCosts:
         cost.fixed_overhead_ms = spec
         return moved
 
-    def trim_penalty_ms(self, spec_ms: float, num_reqs: int) -> float:
-        """Measured extra fixed cost of an eager (trimmed) step over a whole-step graph."""
-        eager = self.get("eager", num_reqs)
+    def trim_penalty_ms(self, spec_ms: float, num_reqs: int, eager_trims: bool = False) -> float:
+        """Measured extra fixed cost of a trimmed step over an untrimmed one at this batch
+        size: the trimmed steps' term (this bucket's own, MIN_SAMPLES of them, fresh) less
+        `spec_ms`, else, where trimmed plans run eagerly (`eager_trims`), the eager steps'
+        term less it, else 0."""
+        b = size_bucket(num_reqs)
+        window = self._recent["trim"].get(b)
+        if window is not None and len(window) >= MIN_SAMPLES and not self._stale_trims(b):
+            return max(0.0, self._term["trim"][b] - spec_ms)
+        eager = self.get("eager", num_reqs) if eager_trims else None
         return 0.0 if eager is None else max(0.0, eager - spec_ms)
+
+    def _stale_trims(self, b: int) -> bool:
+        last = self._last["trim"].get(b)
+        return last is not None and self.steps - last > TRIM_FRESH_STEPS
 
 
 def fixed_costs_by_mode() -> dict[bool, FixedCosts]:

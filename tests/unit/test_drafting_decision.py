@@ -437,3 +437,50 @@ def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
         due.append(unspaced.due(16))
         unspaced.after_plan(due[-1], cost, fixed, False, 16, 16, 0)
     assert [i for i, x in enumerate(due) if x] == [0, 8, 16]
+
+
+def test_decisions_grow_sparser_while_drafting_wins_widely():
+    """While drafting beats plain decoding by twice the guard or more, each routine decision
+    doubles the spacing of the next, up to _DECIDE_BACKOFF_MAX times _DECIDE_EVERY; a batch
+    size that moved by a quarter, or a verdict closer than that, brings it back to every
+    _DECIDE_EVERY plans."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    high = np.array([0.9, 0.81, 0.73, 0.66])  # drafting wins by far
+    d._survival[True] = d.survival = high
+
+    def decided_at(n: int, reqs: int = 16) -> list[int]:
+        out = []
+        for i in range(n):
+            due = d.due(reqs)
+            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+            if due:
+                out.append(i)
+        return out
+
+    every, cap = drafting._DECIDE_EVERY, drafting._DECIDE_BACKOFF_MAX
+    gaps = np.diff(decided_at(40 * every)).tolist()
+    assert d.pays
+    # (the first decision, at a batch size not decided before, is forced: 1x after it)
+    assert gaps[:4] == [every, 2 * every, 4 * every, cap * every]
+    assert set(gaps[3:]) == {cap * every}
+    assert decided_at(1, reqs=24) == [0]  # the batch size moved by a quarter: at once ...
+    assert decided_at(every, reqs=24) == [every - 1]  # ... and 1x after it
+    # near parity (drafting ahead by less than twice the guard): every _DECIDE_EVERY plans
+    close = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                               draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d2 = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                   plain_probes=False)  # fmt: skip
+    d2._survival[True] = d2.survival = np.array([0.55, 0.35, 0.18, 0.1])  # ahead by 9%
+    d, cost = d2, close
+    decided = decided_at(8 * every)
+    spec_rate, plain_rate = d._numbers[1:3]
+    assert d.pays and spec_rate < plain_rate * 1.1
+    assert np.diff(decided).tolist() == [every] * (len(decided) - 1)

@@ -1,5 +1,5 @@
 """The online fixed-cost terms of adaptive verification in the engine: learned per kind of
-step (speculative, plain, eager), batch-size bucket and sampling mode, only from tables
+step (speculative, plain, eager, trimmed), batch-size bucket and sampling mode, only from tables
 profiled here, never from steps that captured a graph; the drafter priced as it runs."""
 
 from __future__ import annotations
@@ -324,3 +324,81 @@ def test_a_bucket_measured_a_few_times_defers_to_a_measured_neighbour():
     assert fc.get("spec", 3) == 0.9
     fc.observe("spec", 1.2, 3)  # its MIN_SAMPLES-th: its own median now
     assert fc.get("spec", 3) == 1.2 and fc.get("spec", 1) == 0.9
+
+
+def test_trimmed_steps_learn_what_trimming_saves():
+    """A trimmed step's residual is its period beyond the table's price of its (fewer) tokens.
+    Where the host bounds the step, trimming saves nothing and the residual grows by what the
+    table promised: that excess over untrimmed steps is the penalty of a trimmed plan. Where
+    the device bounds it, the excess is ~0. Only a bucket's own MIN_SAMPLES trimmed steps count,
+    and only while fresh: a stale term is measured afresh before it prices trims again."""
+    from dspark.spec.online_cost import MIN_SAMPLES, TRIM_FRESH_STEPS, WARMUP_STEPS, FixedCosts
+
+    table = {48: 6.0, 30: 4.0}  # the table's forward ms of an untrimmed and a trimmed step
+    reqs = 8
+
+    def learned(trim_period_ms: float, n_trim: int = MIN_SAMPLES) -> FixedCosts:
+        fc = FixedCosts()
+        for _ in range(WARMUP_STEPS + 20):
+            fc.observe("spec", 7.0 - table[48], reqs)  # untrimmed steps take 7 ms
+        for _ in range(n_trim):
+            fc.observe("trim", trim_period_ms - table[30], reqs)
+        return fc
+
+    spec_term = 1.0
+    host_bound = learned(7.0)  # trimmed steps take as long as untrimmed ones
+    assert host_bound.trim_penalty_ms(spec_term, reqs) == pytest.approx(table[48] - table[30])
+    device_bound = learned(5.0)  # they take what the table says (+ the same fixed term)
+    assert device_bound.trim_penalty_ms(spec_term, reqs) == pytest.approx(0.0)
+    assert learned(7.0, MIN_SAMPLES - 1).trim_penalty_ms(spec_term, reqs) == 0.0  # too few
+    assert host_bound.trim_penalty_ms(spec_term, 64) == 0.0  # another bucket: its own steps
+    # not refreshed for TRIM_FRESH_STEPS observed steps: it lapses, and one new trimmed step
+    # does not bring the old window back
+    for _ in range(TRIM_FRESH_STEPS + 1):
+        host_bound.observe("spec", 1.0, reqs)
+    assert host_bound.trim_penalty_ms(spec_term, reqs) == 0.0
+    host_bound.observe("trim", 7.0 - table[30], reqs)
+    assert host_bound.trim_penalty_ms(spec_term, reqs) == 0.0
+    for _ in range(MIN_SAMPLES - 1):
+        host_bound.observe("trim", 7.0 - table[30], reqs)
+    assert host_bound.trim_penalty_ms(spec_term, reqs) == pytest.approx(table[48] - table[30])
+
+
+@pytest.mark.parametrize("host_bound", [True, False])
+def test_trimming_stops_where_trimmed_steps_are_not_faster(tiny_qwen, drafter, host_bound):
+    """In the engine: a steep table makes the random drafter's drafts worth trimming. When
+    every step takes as long whatever its tokens (a host-bound engine: the periods fed to the
+    online correction are a constant), the trimmed steps' measured excess stops the trimming;
+    when steps take what the table says, trimming goes on."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged",
+                                  "draft_skipping": False})  # fmt: skip
+    spec = llm.engine.runner.spec
+    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    spec.set_cost_model(table, "profiled at start-up")
+    observe, plan, trimmed = spec.observe_step_time, spec.plan, []
+
+    def periods(step_ms, num_tokens, num_reqs, tag):
+        if tag is not None:  # as the engine would measure it, host- or device-bound
+            step_ms = 40.0 if host_bound else float(table.verify_cost_ms(num_tokens)) + 0.6
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    def plans(host):
+        budget = plan(host)
+        if spec._step_other == 0 and host.get("num_draft_fills") > 0:
+            trimmed.append(spec._step_trimmed)
+        return budget
+
+    spec.observe_step_time, spec.plan = periods, plans
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert len(trimmed) > 40 and sum(trimmed[:20]) >= 5  # trimming pays by the table
+    late = trimmed[len(trimmed) // 2:]
+    if host_bound:
+        assert not any(late)
+        reqs = len(PROMPTS)  # (the batch of the trimmed steps: 4-7 requests)
+        assert spec.fixed_costs.trim_penalty_ms(spec.fixed_costs.get("spec", reqs), reqs) > 1.0
+    else:
+        assert sum(late) >= len(late) // 2

@@ -165,7 +165,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
               for lv in summary["results"]["adaptive7@0"]]  # fmt: skip
     for st in states:
         for kinds in (st.get("learned_fixed_ms") or {}).values():
-            assert set(kinds) <= {"spec", "plain", "eager"} and all(kinds.values())
+            assert set(kinds) <= {"spec", "plain", "eager", "trim"} and all(kinds.values())
     if any("acceptance_ratio" in st for st in states):
         assert "adaptive7 learned fixed terms at the level's batch size" in proc.stdout
     # its planning + allocation per level, against its steps (when a snapshot landed inside)
@@ -188,7 +188,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     # the steps the adaptive server's fixed terms were learned from, by kind and batch size
     observed = [lv.get("observed_steps") for lv in summary["results"]["adaptive7@0"]]
     for o in filter(None, observed):
-        assert set(o) <= {"spec", "plain", "eager"}
+        assert set(o) <= {"spec", "plain", "eager", "trim"}
         for by_batch in o.values():
             assert all(v["steps"] > 0 and v["step_ms"] > 0 for v in by_batch.values())
     if any(observed):
