@@ -1,0 +1,206 @@
+"""The drafting decision's cadence and hysteresis, unit level (DraftingDecision alone, rates
+from analytic cost tables): turning after two decisions against the state, a dead band of the
+guard's width, draft probes and routine decisions spaced further while one side wins widely."""
+
+from __future__ import annotations
+
+import logging
+
+from dspark.spec.cost_model import CostModel
+
+
+def test_drafting_turns_after_two_decisions_against_it(caplog):
+    """A server passes through batch sizes for a step or two (a request finished, the next
+    not yet arrived) and the decision re-runs at once when the batch size moves by a quarter:
+    drafting turns on or off only after two decisions in a row against its state (the first
+    verdict on real numbers sets the state at once). Each turn is logged with its numbers."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
+    high, low = np.array([0.9, 0.81, 0.73, 0.66]), np.array([0.3, 0.09, 0.03, 0.01])
+
+    def decide(survival) -> bool:  # a decision step on this survival: whether it drafts
+        d._survival[True] = d.survival = survival
+        return d.after_plan(True, cost, fixed, False, 4, 4, 0)[0]
+
+    with caplog.at_level(logging.DEBUG, logger="dspark.spec.drafting"):
+        assert decide(low) is False  # the first verdict: at once
+        assert [decide(s) for s in (high, low, high, high)] == [False, False, False, True]
+        assert [decide(s) for s in (low, high, low, low)] == [True, True, True, False]
+    flips = [r.getMessage().split(" at ")[0] for r in caplog.records]
+    assert flips == ["adaptive verification: drafting " + w for w in ("off", "on", "off")]
+
+
+def test_margins_inside_the_guard_leave_the_state_as_it_is(monkeypatch):
+    """A dead band around parity: drafting turns on where it beats plain decoding by the
+    guard (5% here) and off only where plain decoding beats it by the guard; margins between
+    (the estimates' noise) never flip the state, however many decisions in a row see them.
+    The rates are set directly: this is the rule, not the cost model's arithmetic."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
+    d._survival[True] = d.survival = np.array([0.5, 0.25, 0.12, 0.06])
+    rates = {}  # spec tok/ms against a plain rate of 1.0
+    monkeypatch.setattr(drafting, "decode_rates", lambda *a: (1.0, rates["spec"]))
+
+    def decide(spec: float) -> bool:
+        rates["spec"] = spec
+        return d.after_plan(True, cost, fixed, False, 4, 4, 0)[0]
+
+    assert decide(1.03) is False  # the first verdict: drafting must win by the guard
+    assert [decide(s) for s in (1.04, 1.0, 1.049, 1.03)] == [False] * 4  # inside: stays off
+    assert [decide(s) for s in (1.06, 1.06)] == [False, True]  # won by the guard twice: on
+    # on: margins down to plain winning by just under the guard keep it on ...
+    assert [decide(s) for s in (0.97, 0.96, 1.0, 0.953, 0.96)] == [True] * 5
+    # ... plain winning by more than the guard twice in a row turns it off
+    assert [decide(s) for s in (0.94, 0.93)] == [True, False]
+
+
+def test_draft_probes_grow_sparser_while_plain_decoding_wins_widely():
+    """While drafting is skipped, a draft probe every _PROBE_EVERY steps re-measures it. Each
+    probe whose verdict is plain decoding by twice the guard doubles the spacing, up to
+    _PROBE_BACKOFF_MAX times; a batch size moving by a quarter resets it."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting_mod
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import FixedCosts
+
+    # the drafter costs 20 ms against ~1.2 ms plain steps: plain decoding wins by far
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    d.update_survival(np.full((16, 4), 0.5))
+
+    def run(steps, num_reqs=16):
+        probes = []
+        for i in range(steps):
+            drafts, _ = d.after_plan(d.due(num_reqs), cost, fixed, False, num_reqs, num_reqs, 0)
+            if drafts:
+                probes.append(i)
+        return probes
+
+    every = drafting_mod._PROBE_EVERY
+    probes = run(32 * every)
+    assert not d.pays and d._probe_spacing == drafting_mod._PROBE_BACKOFF_MAX
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [every, 2 * every, 4 * every, 8 * every]
+    assert set(gaps[4:]) == {8 * every}  # capped
+    d.due(40)  # the batch size moved by more than a quarter: probes as often as at first
+    assert d._probe_spacing == 1
+    # a verdict for plain decoding by less than twice the guard keeps probes frequent
+    d2 = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    near = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d2.update_survival(np.full((16, 4), 0.5))  # plain 16 tokens/ms, drafting 15.5
+    d, cost = d2, near
+    probes = run(8 * every)
+    assert not d.pays and d._numbers[2] < d._numbers[1] * 1.1  # plain ahead, but not by 10%
+    assert np.diff(probes).tolist() == [every] * (len(probes) - 1) and len(probes) >= 7
+
+
+def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
+    """In the engine routine decisions come every _DECIDE_EVERY plans and at least
+    DECIDE_MIN_S apart (small models' steps are short, a decision step's host work is not);
+    a changed batch size, a plain probe's end and a draft probe's verdict still decide at the
+    next plan whatever the clock says."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    now = [0.0]
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                  plain_probes=False, min_interval_s=0.02,
+                                  clock=lambda: now[0])  # fmt: skip
+    fixed = FixedCosts()
+    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])  # plain decoding wins
+
+    def plans(n: int, reqs: int = 16) -> list[bool]:  # which of n plans decide (1 ms apart)
+        out = []
+        for _ in range(n):
+            due = d.due(reqs)
+            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+            now[0] += 0.001
+            out.append(due)
+        return out
+
+    first = plans(1)
+    assert first == [True]  # (no decision yet at this batch size)
+    decided = plans(40)
+    # every 8 plans is not enough while the last decision is under 20 ms old
+    assert [i for i, x in enumerate(decided) if x] == [19, 39]
+    assert not d.pays  # off: every _PROBE_EVERY skipped steps one drafts for a few rows ...
+    d._skipped = drafting._PROBE_EVERY - 1
+    assert d.after_plan(False, cost, fixed, False, 16, 16, 0) == (True, True)
+    assert plans(1) == [True]  # ... and the next plan decides on its drafts at once
+    assert plans(1, reqs=40) == [True]  # a batch size that moved by a quarter: at once
+
+    unspaced = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                         plain_probes=False)  # fmt: skip
+    unspaced._survival[True] = unspaced.survival = d.survival
+    due = []
+    for _ in range(24):  # without the interval (the class's default): every 8 plans
+        due.append(unspaced.due(16))
+        unspaced.after_plan(due[-1], cost, fixed, False, 16, 16, 0)
+    assert [i for i, x in enumerate(due) if x] == [0, 8, 16]
+
+
+def test_decisions_grow_sparser_while_drafting_wins_widely():
+    """While drafting beats plain decoding by twice the guard or more, each routine decision
+    doubles the spacing of the next, up to _DECIDE_BACKOFF_MAX times _DECIDE_EVERY; a batch
+    size that moved by a quarter, or a verdict closer than that, brings it back to every
+    _DECIDE_EVERY plans."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    high = np.array([0.9, 0.81, 0.73, 0.66])  # drafting wins by far
+    d._survival[True] = d.survival = high
+
+    def decided_at(n: int, reqs: int = 16) -> list[int]:
+        out = []
+        for i in range(n):
+            due = d.due(reqs)
+            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+            if due:
+                out.append(i)
+        return out
+
+    every, cap = drafting._DECIDE_EVERY, drafting._DECIDE_BACKOFF_MAX
+    gaps = np.diff(decided_at(40 * every)).tolist()
+    assert d.pays
+    # (the first decision, at a batch size not decided before, is forced: 1x after it)
+    assert gaps[:4] == [every, 2 * every, 4 * every, cap * every]
+    assert set(gaps[3:]) == {cap * every}
+    assert decided_at(1, reqs=24) == [0]  # the batch size moved by a quarter: at once ...
+    assert decided_at(every, reqs=24) == [every - 1]  # ... and 1x after it
+    # near parity (drafting ahead by less than twice the guard): every _DECIDE_EVERY plans
+    close = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                               draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d2 = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
+                                   plain_probes=False)  # fmt: skip
+    d2._survival[True] = d2.survival = np.array([0.55, 0.35, 0.18, 0.1])  # ahead by 9%
+    d, cost = d2, close
+    decided = decided_at(8 * every)
+    spec_rate, plain_rate = d._numbers[1:3]
+    assert d.pays and spec_rate < plain_rate * 1.1
+    assert np.diff(decided).tolist() == [every] * (len(decided) - 1)
