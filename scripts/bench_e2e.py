@@ -125,10 +125,12 @@ def run_sequential(args, temps) -> dict:
 
 
 def run_interleaved(args, temps) -> dict:
-    """Every arm's server at once; each level arm after arm, the order rotating by level. A
-    level's prompts are the same for every arm (random prompts: seeded by the level's index,
-    so distinct across levels); each arm warms up before its first level of a temperature.
-    Each arm's levels are merged into one result file, as a sequential sweep writes it."""
+    """Every arm's server at once; each level arm after arm, the order rotating by level (and
+    by round). A level's prompts are the same for every arm and round (random prompts: seeded
+    by the level's index, so distinct across levels); each arm warms up before its first level
+    of a temperature. With --rounds N every level is measured N times per arm, the rounds one
+    after the other, and each arm keeps its median round (`median_round`). Each arm's levels
+    are merged into one result file, as a sequential sweep writes it."""
     procs, urls = [], {}
     try:
         for i, (arm, spec) in enumerate(arms(args).items()):
@@ -140,10 +142,16 @@ def run_interleaved(args, temps) -> dict:
         for t in temps:
             parts: dict[str, list] = {arm: [] for arm in names}
             for j, level in enumerate(levels):
-                for arm in names[j % len(names):] + names[: j % len(names)]:
-                    out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}.json")
-                    parts[arm].append(sweep(args, urls[arm], arm, t, levels=level, out=out,
-                                            warmup=None if j == 0 else 0, seed=j))  # fmt: skip
+                rounds: dict[str, list] = {arm: [] for arm in names}
+                for r in range(args.rounds):
+                    first = (j + r) % len(names)
+                    for arm in names[first:] + names[:first]:
+                        tag = f"_r{r}" if args.rounds > 1 else ""
+                        out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}{tag}.json")
+                        rounds[arm].append(sweep(args, urls[arm], arm, t, levels=level, out=out,
+                                                 warmup=None if j == r == 0 else 0, seed=j))
+                for arm in names:
+                    parts[arm].append(median_round(rounds[arm]))
             for arm in names:
                 merged = dict(parts[arm][0], results=[lv for p in parts[arm]
                                                       for lv in p["results"]])  # fmt: skip
@@ -156,6 +164,21 @@ def run_interleaved(args, temps) -> dict:
             proc.terminate()
         for proc in procs:
             proc.wait(60)
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """Of one arm's rounds of one level (`dspark bench serve` results of that level alone),
+    the one with the median output tokens/s (the lower one of an even count), its level
+    noting every round's figure (`rounds_output_throughput`, in round order). On a host whose
+    speed drifts over seconds, one round of a short level can land in a slow stretch: the
+    trained pair's same scheduling work took 0.6-1.9x as long in one arm as in another at
+    the same level (H200, twenty-first session)."""
+    tput = [r["results"][0]["output_throughput"] for r in rounds]
+    order = sorted(range(len(rounds)), key=lambda i: tput[i])
+    chosen = rounds[order[(len(rounds) - 1) // 2]]
+    if len(rounds) > 1:
+        chosen["results"][0]["rounds_output_throughput"] = tput
+    return chosen
 
 
 def offline_checks(args) -> dict:
@@ -251,12 +274,16 @@ def main() -> int:
     a("--port", type=int, default=8123)
     a("--interleave", action="store_true",
       help="all servers at once, each level arm after arm (order rotating by level)")
+    a("--rounds", type=int, default=1,
+      help="with --interleave: each level measured this many times per arm, the median kept")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--no-engine-process", dest="engine_process", action="store_false",
       help="servers run their engine in a thread (dspark serve --no-engine-process)")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
+        ap.error("--rounds must be >= 1, and above 1 only with --interleave")
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
         ap.error("--interleave needs --num-kv-blocks (the first server would take the memory)")
     os.makedirs(args.out, exist_ok=True)

@@ -38,7 +38,10 @@
 # 0.5-6.7 s: since then 64 prompts and 8 per concurrency level, twice as long, ~360 s);
 # synth, one temperature: 16 prompts, so c = 4 measures 4 waves, not 2: ~6 of 10 minutes).
 # E2E_ARGS="... --interleave --num-kv-blocks N": the three servers side by side, each level
-# measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times).
+# measured arm after arm (scripts/bench_e2e.py; N blocks per server must fit three times);
+# "--rounds R" with it measures each level R times per arm and keeps each arm's median round
+# (the trained pair's interleaved run, 405 s with one round, still saw the same host work take
+# 0.6-1.9x as long in one arm as in another within a level: twenty-first session).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
 # every second into $OUT/gpu_clocks.csv.
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and

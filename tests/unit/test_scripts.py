@@ -116,23 +116,26 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
            "--port", str(_free_port_block(3))]  # fmt: skip
     if synthetic:
         cmd += ["--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3", "--temperatures", "0"]
-    if interleave:
-        cmd += ["--interleave"]
+    if interleave:  # (two rounds per level: the median of each arm's rounds is kept)
+        cmd += ["--interleave", "--rounds", "2"]
     else:
         cmd += ["--no-engine-process"]
     # (the engine processes of the interleaved run time their loops: DSPARK_HOST_TIMERS)
     env = {**os.environ, "DSPARK_HOST_TIMERS": "1"} if interleave else None
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    if interleave:  # one result file per arm and level, written in the rotating order
+    if interleave:  # one result file per arm, level and round, in the rotating order
         arms = ["nospec", "fixed7", "adaptive7"]
-        for level, order in ((1, arms), (2, arms[1:] + arms[:1])):
-            files = [tmp_path / f"{a}_t0_c{level}.json" for a in order]
+        runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
+        stamps = []
+        for level, r, first in runs:
+            order = arms[first:] + arms[:first]
+            files = [tmp_path / f"{a}_t0_c{level}_r{r}.json" for a in order]
             times = [f.stat().st_mtime_ns for f in files]
-            assert times == sorted(times), (level, order, times)
-        # the level-2 results come from a later run than every level-1 result
-        assert min((tmp_path / f"{a}_t0_c2.json").stat().st_mtime_ns for a in arms) > max(
-            (tmp_path / f"{a}_t0_c1.json").stat().st_mtime_ns for a in arms)
+            assert times == sorted(times), (level, r, order, times)
+            stamps.append((min(times), max(times)))
+        # each round of each level ran after every earlier one
+        assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
     temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
@@ -200,11 +203,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
 
 
 def test_bench_e2e_reads_drafting_flips_from_a_server_log(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_e2e", f"{ROOT}/scripts/bench_e2e.py")
-    bench_e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_e2e)
+    bench_e2e = _bench_e2e_module()
     log = tmp_path / "serve.log"
     log.write_text("INFO dspark.serve: serving\n"
                    "INFO dspark.spec.drafting: adaptive verification: drafting off at 4 "
@@ -269,3 +268,29 @@ def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
     assert sum(r["emitted"] for r in records["nospec@3"]["records"]) == 6 * 12
     assert sum(r["emitted"] for r in records["adaptive@3"]["records"]) >= 6 * 12
     assert "learned fixed terms by sampling mode and batch-size bucket" in report
+
+
+def test_interleaved_rounds_keep_each_arms_median_round():
+    """--rounds N: of one arm's N measurements of a level, the median one (by output tok/s;
+    the lower middle of an even count) stands for the level, with every round's figure."""
+    median_round = _bench_e2e_module().median_round
+
+    def level(tput: float) -> dict:
+        return {"results": [{"max_concurrency": 4, "output_throughput": tput}]}
+
+    kept = median_round([level(900.0), level(700.0), level(1200.0)])
+    assert kept["results"][0]["output_throughput"] == 900.0
+    assert kept["results"][0]["rounds_output_throughput"] == [900.0, 700.0, 1200.0]
+    assert median_round([level(5.0), level(3.0)])["results"][0]["output_throughput"] == 3.0
+    single = median_round([level(42.0)])
+    assert single["results"][0] == {"max_concurrency": 4, "output_throughput": 42.0}
+
+
+def _bench_e2e_module():
+    """scripts/bench_e2e.py as a module (its functions, without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", f"{ROOT}/scripts/bench_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
