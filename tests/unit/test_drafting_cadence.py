@@ -204,3 +204,29 @@ def test_decisions_grow_sparser_while_drafting_wins_widely():
     spec_rate, plain_rate = d._numbers[1:3]
     assert d.pays and spec_rate < plain_rate * 1.1
     assert np.diff(decided).tolist() == [every] * (len(decided) - 1)
+
+
+def test_one_request_more_or_less_does_not_force_a_decision():
+    """A batch size moving by a quarter forces a decision at once, but only when it moved by
+    at least _MOVED_MIN requests: at c = 4 each request leaving or arriving moved it between 3
+    and 4 and decided on ~7% of the plans."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True, plain_probes=False)
+    d._survival[True] = d.survival = np.array([0.9, 0.81, 0.73, 0.66])
+    fixed = FixedCosts()
+
+    def plan(reqs: int) -> bool:
+        due = d.due(reqs)
+        d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+        return due
+
+    assert plan(4)  # (the first decision)
+    assert [plan(n) for n in (3, 4, 3, 4)] == [False] * 4  # +-1 request: routine cadence only
+    assert plan(2)  # 4 -> 2 (decided at 4): moved by half, two requests
+    assert plan(40) and not plan(39) and plan(29)  # (40 -> 29: a quarter and 11 requests)
