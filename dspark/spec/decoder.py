@@ -137,6 +137,10 @@ class SpecDecoder:
     def needs_cost_model(self) -> bool:
         return self._policy in ("lagged", "early_stop")
 
+    @property
+    def eager_trims(self) -> bool:  # trimmed plans take the per-phase path (no trimmed graphs)
+        return self.graph_steps and not self.graph_trims
+
     # -- plan (host, stale confidences) --------------------------------------------------------
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -179,13 +183,10 @@ class SpecDecoder:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
             caps, slots = rows[1], rows[4]
             # a decode step's trimmed plan pays what trimmed steps were measured to cost
-            # beyond untrimmed ones (online_cost.py), in steps of 0.02 ms (a standing plan's
-            # group holds it: the window's median moves on most steps)
-            penalty = 0.0
-            if other == 0 and self._online_cost:
-                eager_trims = self.graph_steps and not self.graph_trims
-                penalty = round(50.0 * self.fixed_costs.trim_penalty_ms(
-                    self.cost.fixed_overhead_ms, n, eager_trims)) / 50.0  # fmt: skip
+            # beyond untrimmed ones (online_cost.py; 0 until learned), in steps of 0.02 ms (a
+            # standing plan's group holds it: the window's median moves on most steps)
+            penalty = 0.0 if other else round(50.0 * self.fixed_costs.trim_penalty_ms(
+                self.cost.fixed_overhead_ms, n, self.eager_trims)) / 50.0  # fmt: skip
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
             rate = None
             if other > 0:

@@ -235,17 +235,13 @@ class DraftingDecision:
             self._since_decision, self._decided_reqs = 0, num_reqs
             self._forced = False
             self._decide_spacing = (min(2 * self._decide_spacing, _DECIDE_BACKOFF_MAX)
-                                    if routine and self._drafting_wins_widely() else 1)  # fmt: skip
+                                    if routine and self._wins_widely(True) else 1)  # fmt: skip
             if self._min_interval_s > 0:
                 self._decided_at = self._clock()
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
                 self._after_probe = False
-                wide = False
-                if self._numbers is not None and not self.pays:
-                    _, spec_rate, plain_rate = self._numbers[:3]
-                    wide = plain_rate > spec_rate * (1 + 2 * self.min_predicted_gain)
                 self._probe_spacing = (min(2 * self._probe_spacing, _PROBE_BACKOFF_MAX)
-                                       if wide else 1)  # fmt: skip
+                                       if self._wins_widely(False) else 1)  # fmt: skip
         if online and self._plain_probe_due(fixed, num_sampling, prefill_tokens):
             self._plain_probe_left = _PLAIN_PROBE_STEPS
         if self._plain_probe_left > 0:
@@ -259,12 +255,14 @@ class DraftingDecision:
             self._forced, self._after_probe = True, True
         return self.pays or probe, not self.pays
 
-    def _drafting_wins_widely(self) -> bool:
-        """The last decision kept drafting on, on real numbers, by twice the guard or more."""
-        if not (self.pays and self._against == 0 and self._numbers is not None):
+    def _wins_widely(self, drafting: bool) -> bool:
+        """The last decision, on real numbers, left drafting on (`drafting`) or off, that side
+        ahead by twice the guard or more (its verdict then agreed with the state)."""
+        if self._numbers is None or self.pays != drafting:
             return False
         _, spec_rate, plain_rate = self._numbers[:3]
-        return spec_rate > plain_rate * (1 + 2 * self.min_predicted_gain)
+        ahead, behind = (spec_rate, plain_rate) if drafting else (plain_rate, spec_rate)
+        return ahead > behind * (1 + 2 * self.min_predicted_gain)
 
     def _pays(self, cost, fixed: FixedCosts, num_sampling: int) -> bool:
         """Draft only if some verify length beats plain decoding by the guard margin once the

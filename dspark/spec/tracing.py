@@ -139,7 +139,7 @@ def decoder_metrics(sd) -> dict:
         "fixed_overhead_ms": None if cost is None else cost.fixed_overhead_ms,
         "plain_fixed_overhead_ms": sd.fixed_costs.get("plain", reqs),
         "trim_penalty_ms": None if cost is None else sd.fixed_costs.trim_penalty_ms(
-            cost.fixed_overhead_ms, reqs, sd.graph_steps and not sd.graph_trims),
+            cost.fixed_overhead_ms, reqs, sd.eager_trims),
         "confidence_source": "head" if sd.use_head else "online",
         "drafting": sd.draft_enabled,
         # by sampling mode: every learned fixed term, and the decision's acceptance ratio
