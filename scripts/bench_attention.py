@@ -1,8 +1,10 @@
 """Microbenchmark of the Triton attention kernels against the machine's own ceilings (CUDA).
 
 Measures, in one run: device-to-device copy bandwidth (bytes read + written) and a bf16
-matmul rate; then decode/verify attention (batch 1/16/64/256 x context 512/2048, 1 and 4
-query tokens per request), the drafter's block attention and a 4096-token causal prefill.
+matmul rate; then steps mixing decode / verify rows with prefill chunks (one launch
+against the short/long pair of `short_query_len`); then decode/verify attention (batch
+1/16/64/256 x context 512/2048, 1 and 4 query tokens per request), the drafter's block
+attention and a 4096-token causal prefill.
 Each attention case is captured in a CUDA graph of `INNER` launches that rotate over several
 disjoint cache/table sets (so small cases do not run from L2), timed with
 `triton.testing.do_bench` (median) and reported per launch, as achieved bandwidth over the
@@ -130,17 +132,85 @@ def bench_prefill(num_tokens, args):
     return ms, 4 * args.heads * args.head_dim * pairs
 
 
+def ragged_step(rows, num_kv, head_dim):
+    """One step of (query tokens, context) rows over fresh random blocks: decode rows and
+    prefill chunks side by side, as a step with prefill chunks carries them."""
+    q_lens = [q for q, _ in rows]
+    ctxs = [c for _, c in rows]
+    blocks = [triton.cdiv(c, PAGE) for c in ctxs]
+    num_blocks = sum(blocks) + 1
+    shape = (num_blocks, PAGE, num_kv, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    perm = (torch.randperm(num_blocks - 1) + 1).to(torch.int32)
+    tables = torch.zeros(len(rows), max(blocks), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(blocks):
+        tables[r, :n] = perm[used : used + n]
+        used += n
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c - q, c) for q, c in rows])
+    num_tokens = int(cu[-1])
+    cu = cu.cuda()
+    md = AttentionMetadata(
+        query_start_loc=cu, seq_lens=torch.tensor(ctxs, dtype=torch.int32, device="cuda"),
+        block_tables=tables.cuda(), positions=positions.cuda(),
+        slot_mapping=torch.zeros(num_tokens, device="cuda", dtype=torch.int64),
+        token_to_req=compute_token_to_req(cu, num_tokens),
+        max_query_len=max(q_lens), max_seq_len=max(ctxs), num_reqs=len(rows),
+    )  # fmt: skip
+    return k_cache, v_cache, md
+
+
+def bench_mixed(rows, args, short_query_len):
+    """Time of one step's attention (one launch, or two with `short_query_len`)."""
+    k_cache, v_cache, md = ragged_step(rows, args.kv_heads, args.head_dim)
+    num_tokens = int(md.query_start_loc[-1])
+    q = torch.randn(num_tokens, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    return graph_time_ms([lambda: pa.paged_attention(
+        q, k_cache, v_cache, md, args.head_dim**-0.5, out=out, short_query_len=short_query_len)])
+
+
+MIXED_CASES = (  # (label, decode rows (query, context), prefill chunks (tokens, context))
+    ("c=256 mixed: 240 decode x ctx 640 + 8 x 512 prefill", (240, 1, 640), (8, 512, 512)),
+    ("c=256 mixed: 240 verify q=8 x ctx 640 + 8 x 512", (240, 8, 640), (8, 512, 512)),
+    ("c=64 mixed: 60 decode x ctx 2048 + 2 x 512 prefill", (60, 1, 2048), (2, 512, 512)),
+    ("prefill only: 16 x 512", (0, 1, 1), (16, 512, 512)),
+)
+
+
+def mixed_rows(args) -> list[str]:
+    """Steps with prefill chunks: one launch against the short/long pair, and their parts."""
+    out = []
+    for label, (nd, qd, cd), (npf, qp, cp) in MIXED_CASES:
+        rows = [(qd, cd)] * nd + [(qp, cp)] * npf
+        one = bench_mixed(rows, args, 0)
+        two = bench_mixed(rows, args, qd)
+        dec = bench_mixed([(qd, cd)] * nd, args, 0) if nd else 0.0
+        pre = bench_mixed([(qp, cp)] * npf, args, 0)
+        out.append(f"mixed   {label:<52s} one launch {one * 1e3:8.1f} us  two {two * 1e3:8.1f}"
+                   f" us  (decode rows alone {dec * 1e3:7.1f} + prefill alone {pre * 1e3:7.1f})")
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--mixed-only", action="store_true",
+                        help="only the steps with prefill chunks (one launch against two)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     bw, flops = copy_bandwidth(), matmul_rate()
-    rows = []
+    rows = mixed_rows(args)
+    if args.mixed_only:
+        print("\n".join(rows))
+        return
     for q_len in (1, 4):
         for ctx in (512, 2048):
             for batch in (1, 16, 64, 256):

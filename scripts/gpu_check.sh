@@ -4,6 +4,9 @@
 #   tests   CUDA tests: HF parity (fp32/bf16), speculative identity, graph replay, fused ops
 #   profile the example cost table (small bf16 target)        -> $OUT/cost_table_*.json
 #   bench   8B-shape forward latency and no-spec throughput vs HF generate
+#   attn    the attention kernel tests at full sizes, then steps with prefill chunks attended in
+#           one launch against the short/long pair (scripts/bench_attention.py --mixed-only;
+#           ATTN_ARGS="" for every case)                        -> $OUT/attn.log
 #   fused   fused Triton kernels against the torch paths they replace (scripts/bench_fused_ops.py:
 #           a Qwen3-8B layer's elementwise ops; the drafter's context write; the allocation)
 #           -> $OUT/fused.log
@@ -79,6 +82,13 @@ if has tests; then
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}
+fi
+if has attn; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_triton_attention.py tests/kernels/test_attention_variants.py 2>&1 \
+    | tee "$OUT/attn_tests.log" | tail -5
+  [[ ${PIPESTATUS[0]} == 0 ]] || status=1
+  python3 scripts/bench_attention.py ${ATTN_ARGS:---mixed-only} 2>&1 | tee "$OUT/attn.log" | tail -12
 fi
 if has fused; then
   python3 scripts/bench_fused_ops.py 2>&1 | tee "$OUT/fused.log" | tail -20

@@ -57,6 +57,9 @@ class AttentionBackend:
     # `attend` is implemented: a layer may write the step's K/V itself (the fused q/k-norm +
     # RoPE kernel stores keys and values straight into the cache) and attend apart
     attends_written_kv = False
+    # the longest query a decode / verify row of this engine has (1 + K; 0: unknown): steps
+    # that mix such rows with prefill chunks may attend them apart (the Triton backend does)
+    short_query_len = 0
 
     def warmup(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
         """Compile what a kernel-compiling backend would otherwise compile on first use in the

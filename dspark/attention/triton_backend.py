@@ -48,10 +48,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warmup(self, k_cache, v_cache, num_heads: int) -> int:
         """Compile every launch variant of the paged attention kernels (see paged_attention)."""
-        from dspark.attention.triton import paged_attention
+        from dspark.attention.triton import paged_attention_warmup
 
-        return paged_attention.warmup(k_cache, v_cache, num_heads, self.max_splits,
-                                      self.min_split_len)  # fmt: skip
+        return paged_attention_warmup.warmup(k_cache, v_cache, num_heads, self.max_splits,
+                                      self.min_split_len, self.short_query_len)  # fmt: skip
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -66,6 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._paged_attention(
             q, k_cache, v_cache, md, scale,
             max_splits=self.max_splits, min_chunk=self.min_split_len,
+            short_query_len=self.short_query_len,
         )
 
     def draft_forward(

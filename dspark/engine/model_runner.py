@@ -96,6 +96,8 @@ class ModelRunner:
                 self.spec = SpecDecoder(config, self.model, model_cfg, device, dtype,
                                         self.backend)  # fmt: skip
         self.aux_layer_ids = self.spec.aux_layer_ids if self.spec is not None else ()
+        # decode / verify rows of steps with prefill chunks get a decode-sized attention tile
+        self.backend.short_query_len = 1 + (self.spec.k if self.spec is not None else 0)
         # the token each request slot sampled last (the extra slot: padding rows), for the
         # inputs of a step scheduled while the previous one is in flight (PENDING_TOKEN)
         self.scratch_slot = config.max_num_seqs

@@ -15,43 +15,54 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from dspark.attention.triton import paged_attention as pa  # noqa: E402
+from dspark.attention.triton import paged_attention_warmup as paw  # noqa: E402
 from dspark.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim):
+@pytest.mark.parametrize("short_query_len", [0, 1, 8])
+def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim, short_query_len):
     monkeypatch.setattr(pa, "num_sms", lambda device: 132)  # an H200
     gp = 1 << (group - 1).bit_length()
-    variants = pa.launch_variants(gp, head_dim, max_splits=16)
+    variants = paw.launch_variants(gp, head_dim, max_splits=16, short_query_len=short_query_len)
     seen = set()
     dev = torch.device("cuda")  # only read by num_sms, patched above
     for qlen in [*range(1, 80), 128, 500, 1024, 4096]:
-        bq, bn, warps = pa._launch_config(gp, qlen, head_dim, True)
-        for programs in [1, 2, 3, 5, 8, 13, 40, 100, 131, 132, 1000]:
-            for kv_len in [1, 100, 128, 300, 700, 1500, 2048, 5000, 40000]:
-                splits = pa.pick_num_splits(dev, programs, kv_len, 16, 128)
-                assert splits & (splits - 1) == 0  # a power of two
-                key = (bq, bn, warps, splits, pa.num_stages(True, bq * gp, splits))
-                assert key in variants, key
-                seen.add(key)
+        for bq, bn, warps, pass_, short_max in pa.launch_plan(gp, qlen, head_dim, True,
+                                                              short_query_len):  # fmt: skip
+            for programs in [1, 2, 3, 5, 8, 13, 40, 100, 131, 132, 1000]:
+                for kv_len in [1, 100, 128, 300, 700, 1500, 2048, 5000, 40000]:
+                    splits = pa.pick_num_splits(dev, programs, kv_len, 16, 128)
+                    assert splits & (splits - 1) == 0  # a power of two
+                    splits = 1 if pass_ == 1 else splits  # the short launch never splits
+                    stages = pa.num_stages(True, bq * gp, splits)
+                    key = (bq, bn, warps, splits, stages, pass_, short_max)
+                    assert key in variants, key
+                    seen.add(key)
     assert seen == set(variants)  # and nothing is compiled that serving never uses
+    # steps with prefill chunks: 1-token decode rows get a decode tile (16 rows, not 128);
+    # 8-token verify rows of 8 heads a group fill 64 rows, half the prefill tile: one launch
+    two = short_query_len == 1 or (short_query_len == 8 and group < 8)
+    assert {key[5] for key in variants} == ({0, 1, 2} if two else {0})
 
 
-def test_warmup_runs_every_variant():
+@pytest.mark.parametrize("short_query_len", [0, 2])
+def test_warmup_runs_every_variant(short_query_len):
     # the interpreter on CPU; compiled kernels (which need device tensors) on a GPU machine
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)  # [blocks, page, Hkv, D]
     v_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)
     backend = TritonAttentionBackend(max_splits=4, min_split_len=16)
+    backend.short_query_len = short_query_len
     calls = []
     real = pa.paged_attention
 
     def spy(q, k, v, md, scale, num_splits=None, **kw):
         out = real(q, k, v, md, scale, num_splits=num_splits, **kw)
         assert torch.isfinite(out).all()
-        calls.append((md.max_query_len, num_splits))
+        calls.append((md.max_query_len, num_splits, kw["short_query_len"]))
         return out
 
     pa.paged_attention = spy
@@ -59,8 +70,10 @@ def test_warmup_runs_every_variant():
         n = backend.warmup(k_cache, v_cache, num_heads=4)
     finally:
         pa.paged_attention = real
-    assert n == len(pa.launch_variants(2, 16, 4)) == len(calls)
-    assert {s for _, s in calls} == {1, 2, 4}
+    variants = paw.launch_variants(2, 16, 4, short_query_len)
+    assert n == len(variants)
+    assert sorted(calls) == sorted((q, s, short_query_len) for q, s in set(variants.values()))
+    assert {s for _, s, _ in calls} == {1, 2, 4}
 
 
 def _compiled(kernel) -> int:
@@ -72,7 +85,8 @@ def _compiled(kernel) -> int:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_no_compile_in_serving_after_warmup_on_cuda():
+@pytest.mark.parametrize("short_query_len", [0, 1, 8])
+def test_no_compile_in_serving_after_warmup_on_cuda(short_query_len):
     """After the warm-up, ragged batches of every kind (decode, verify, prefill, mixed; short
     and long contexts; 1 to 300 rows; odd token counts; a misaligned positions view) compile
     nothing new."""
@@ -80,7 +94,9 @@ def test_no_compile_in_serving_after_warmup_on_cuda():
     page, kv_heads, heads, dim, blocks = 16, 8, 32, 128, 2048
     k_cache = torch.randn(blocks, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    TritonAttentionBackend().warmup(k_cache, v_cache, heads)
+    backend = TritonAttentionBackend()
+    backend.short_query_len = short_query_len
+    backend.warmup(k_cache, v_cache, heads)
     kernels = (pa._paged_attention_kernel, pa._combine_kernel)
     before = [_compiled(k) for k in kernels]
     for num_reqs, qlen, ctx in [(1, 1, 40), (1, 1, 3000), (3, 8, 900), (40, 1, 2000),
@@ -103,6 +119,6 @@ def test_no_compile_in_serving_after_warmup_on_cuda():
             max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()), num_reqs=num_reqs,
         )  # fmt: skip
         q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-        out = pa.paged_attention(q, k_cache, v_cache, md, dim**-0.5)
+        out = backend.attend(q, k_cache, v_cache, md, dim**-0.5)
         assert torch.isfinite(out).all()
     assert [_compiled(k) for k in kernels] == before

@@ -190,6 +190,26 @@ def test_forward_backend_heuristics():
                 backend=TritonAttentionBackend())
 
 
+@pytest.mark.parametrize("short_query_len", [1, 3])
+def test_forward_two_launches_for_short_and_long_requests(short_query_len):
+    """A step mixing decode / verify rows with prefill chunks attends its short requests with
+    the decode tile and the rest with the prefill tile: every row written once, by the right
+    launch, whatever its length (rows of SHORT_MAX and SHORT_MAX + 1 tokens included)."""
+    gen = torch.Generator().manual_seed(11 + short_query_len)
+    group, page, head_dim = 2, 4, 16
+    plan = pa.launch_plan(group, 37, head_dim, HAS_CUDA and not INTERPRET, short_query_len)
+    assert [launch[3] for launch in plan] == [1, 2], plan  # two launches, short first
+    short_max = plan[0][4]
+    q_lens = [1, 37, 0, short_max, short_max + 1, 2, 1, 20, 0]
+    prefix = [19, 0, 6, 11, 3, 40, 0, 9, 0]
+    run_forward(gen, q_lens, prefix, page, 2 * group, 2, head_dim, torch.float32, num_pad=5,
+                short_query_len=short_query_len)
+    backend = TritonAttentionBackend()
+    backend.short_query_len = short_query_len
+    run_forward(gen, q_lens, prefix, page, 2 * group, 2, head_dim, torch.bfloat16, num_pad=2,
+                backend=backend)
+
+
 def run_draft(gen, ctx_lens, block_len, page, num_heads, num_kv, head_dim, dtype,
               num_splits=None, backend=None):
     tables, num_blocks = build_tables(gen, ctx_lens, page, DEVICE)
@@ -251,6 +271,8 @@ def test_cuda_prefill_full(dtype):
     q_lens, prefix = [4096, 1, 700, 0, 5, 1500], [0, 4000, 2500, 100, 300, 1]
     run_forward(gen, q_lens, prefix, 16, 32, 8, 128, dtype, num_pad=7)
     run_forward(gen, [1, 8], [4095, 4088], 32, 32, 8, 128, dtype, backend=TritonAttentionBackend())
+    for short in (1, 8):  # the decode / verify rows attended apart from the prefill chunks
+        run_forward(gen, q_lens, prefix, 16, 32, 8, 128, dtype, num_pad=7, short_query_len=short)
 
 
 @cuda_only
@@ -264,11 +286,15 @@ def test_cuda_draft_full(num_reqs):
 
 
 @cuda_only
-def test_cuda_graph_replay_matches_reference():
-    """Capture once for (T, R, max_query_len); replay with other device boundaries."""
-    gen = torch.Generator().manual_seed(99)
-    num_rows, max_q, pad = 24, 4, 10
+@pytest.mark.parametrize("max_q,short_query_len", [(4, 0), (40, 2)])
+def test_cuda_graph_replay_matches_reference(max_q, short_query_len):
+    """Capture once for (T, R, max_query_len); replay with other device boundaries (with
+    short_query_len, rows move between the short and the long launch from step to step)."""
+    gen = torch.Generator().manual_seed(99 + max_q)
+    num_rows, pad = 24, 10
     backend = TritonAttentionBackend()
+    backend.short_query_len = short_query_len
+    assert len(pa.launch_plan(4, max_q, 128, True, short_query_len)) == (2 if max_q > 4 else 1)
     steps = []
     for _ in range(3):
         q_lens, prefix = _random_rows(gen, num_rows, max_q, 2000)

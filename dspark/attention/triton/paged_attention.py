@@ -16,6 +16,13 @@ in tiles of `BLOCK_N` positions (one table lookup per position, so any page size
 with an fp32 online softmax in the exp2 domain, up to `min(seq_len, max position + 1)`.
 The causal rule is the reference's: key position <= query position and < seq_len.
 
+A step that mixes prefill chunks with decode / verify rows runs as two launches when the
+prefill tile would be much taller than a decode row needs (`short_query_len`): a request of at
+most `SHORT_MAX` query tokens (its device length decides) is attended by the first launch
+with the decode tile, every other request by the second with the prefill tile; each launch's
+programs skip the other's requests, so every row is written exactly once and the grids still
+depend on CPU numbers only. (One launch would give each 1-token decode row a 128-row tile.)
+
 With `num_splits > 1` (flash decoding, for few programs over long contexts) axis 2 splits
 each program's KV range into equal tile-aligned chunks computed on device; every split
 writes a normalised partial output and its log-sum-exp (base 2), then `_combine_kernel`
@@ -31,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata
+from dspark.attention.base import AttentionMetadata
 from dspark.triton_jit import unspecialized
 
 LSE_EMPTY = -1.0e30  # log-sum-exp written by a split that saw no key
@@ -148,6 +155,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PASS: tl.constexpr, SHORT_MAX: tl.constexpr,  # PASS 0: every request; 1: short; 2: long
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -160,6 +168,12 @@ def _paged_attention_kernel(
     tok0 = q_start + (pid - (q_start // BLOCK_Q + r)) * BLOCK_Q
     if tok0 >= q_end:
         return
+    if PASS == 1:  # the other launch attends requests longer than SHORT_MAX
+        if q_end - q_start > SHORT_MAX:
+            return
+    if PASS == 2:
+        if q_end - q_start <= SHORT_MAX:
+            return
     seq_len = tl.load(seq_lens_ptr + r, mask=is_real, other=0)  # padding tail: no keys
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -253,43 +267,6 @@ def split_counts(max_splits: int) -> list[int]:
     return [1 << i for i in range(max(1, max_splits).bit_length())]
 
 
-def launch_variants(group_pad: int, head_dim: int, max_splits: int) -> dict:
-    """Every compile-time launch variant (BLOCK_Q, BLOCK_N, warps, splits, stages) a CUDA call
-    can take, mapped to a max_query_len that selects it."""
-    variants = {}
-    for qlen in range(1, 64 // group_pad + 2):  # past 64 rows every length is "prefill"
-        bq, bn, warps = _launch_config(group_pad, qlen, head_dim, True)
-        for splits in split_counts(max_splits):
-            stages = num_stages(True, bq * group_pad, splits)
-            variants.setdefault((bq, bn, warps, splits, stages), qlen)
-    return variants
-
-
-def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_splits: int,
-           min_chunk: int) -> int:  # fmt: skip
-    """Compile every launch variant of the attention and combine kernels now, on a one-row
-    batch attending to block 0 (outputs discarded), so no request meets a compile. Returns the
-    number of variants."""
-    _, page, num_kv_heads, head_dim = k_cache.shape
-    dev, dtype = k_cache.device, k_cache.dtype
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    variants = launch_variants(group_pad, head_dim, max_splits)
-    for (_, _, _, splits, _), qlen in variants.items():
-        ctx = max(qlen, splits * min_chunk)
-        md = AttentionMetadata(
-            query_start_loc=torch.tensor([0, qlen], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((1, triton.cdiv(ctx, page)), dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((qlen,), SENTINEL_SLOT, dtype=torch.int64, device=dev),
-            positions=torch.arange(ctx - qlen, ctx, device=dev),
-            token_to_req=torch.zeros(qlen, dtype=torch.int32, device=dev),
-            max_query_len=qlen, max_seq_len=ctx, num_reqs=1,
-        )  # fmt: skip
-        q = torch.randn(qlen, num_heads, head_dim, device=dev).to(dtype)
-        paged_attention(q, k_cache, v_cache, md, 1.0, num_splits=splits)
-    return len(variants)
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -321,6 +298,23 @@ def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bo
     return block_m // group_pad, block_n, warps
 
 
+TWO_PASS_MIN_RATIO = 4  # the prefill tile this many times the decode tile: two launches
+
+
+def launch_plan(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool,
+                short_query_len: int = 0) -> list[tuple[int, int, int, int, int]]:  # fmt: skip
+    """The launches of one call, each (BLOCK_Q, BLOCK_N, num_warps, PASS, SHORT_MAX): one over
+    every request, or, when rows of up to `short_query_len` tokens may ride in a step whose
+    longest query needs a much taller tile, a decode-tile launch for the short requests and a
+    prefill-tile launch for the rest (CPU numbers only)."""
+    bq, bn, warps = _launch_config(group_pad, max_query_len, head_dim, on_gpu)
+    if 0 < short_query_len < max_query_len:
+        sq, sn, sw = _launch_config(group_pad, short_query_len, head_dim, on_gpu)
+        if bq >= TWO_PASS_MIN_RATIO * sq:
+            return [(sq, sn, sw, 1, sq), (bq, bn, warps, 2, sq)]
+    return [(bq, bn, warps, 0, 0)]
+
+
 def num_stages(on_gpu: bool, rows: int, num_splits: int) -> int:
     """Pipelining depth. Measured on H200 (bf16, D=128, 2048 keys): a 16-row decode tile
     streams at 100% of copy bandwidth with 2 stages vs 73% with 3 when the grid is full (no
@@ -337,10 +331,11 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
-    num_splits: int | None = None,  # None: heuristic
+    num_splits: int | None = None,  # None: heuristic (the short launch never splits)
     max_splits: int = 16,
     min_chunk: int = 128,
-    block_q: int | None = None,  # test overrides of the launch config
+    short_query_len: int = 0,  # the engine's decode / verify query length (0: one launch)
+    block_q: int | None = None,  # test overrides of the launch config (one launch)
     block_n: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
@@ -355,14 +350,29 @@ def paged_attention(
         return out
     if md.num_reqs == 0:
         return out.zero_()
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    if block_q or block_n:
+        bq, bn, warps = _launch_config(group_pad, md.max_query_len, head_dim, q.is_cuda)
+        plan = [(block_q or bq, block_n or bn, warps, 0, 0)]
+    else:
+        plan = launch_plan(group_pad, md.max_query_len, head_dim, q.is_cuda, short_query_len)
+    for bq, bn, warps, pass_, short_max in plan:
+        splits = 1 if pass_ == 1 else num_splits
+        if splits is None:
+            busy = md.num_reqs * num_kv_heads * triton.cdiv(max(1, md.max_query_len), bq)
+            splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
+        _launch(q, k_cache, v_cache, md, scale, out, bq, bn, warps, splits, pass_, short_max)
+    return out
+
+
+def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch.Tensor,
+            bq: int, bn: int, warps: int, num_splits: int, pass_: int,
+            short_max: int) -> None:  # fmt: skip
+    num_tokens, num_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    bq, bn, warps = _launch_config(group_pad, md.max_query_len, head_dim, q.is_cuda)
-    bq, bn = block_q or bq, block_n or bn
     num_q_progs = num_tokens // bq + md.num_reqs + 1
-    if num_splits is None:
-        busy = md.num_reqs * num_kv_heads * triton.cdiv(max(1, md.max_query_len), bq)
-        num_splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
     stages = num_stages(q.is_cuda, bq * group_pad, num_splits)
     if num_splits > 1:
         part_o = _empty((num_splits, num_tokens, num_heads, head_dim), torch.float32, q.device)
@@ -382,8 +392,8 @@ def paged_attention(
         # tl.dot needs a reduction dim >= 16: small heads are padded (masked) to 16
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        PASS=pass_, SHORT_MAX=short_max,
         num_warps=warps, num_stages=stages,
-    )
+    )  # fmt: skip
     if num_splits > 1:
         combine_splits(part_o, part_lse, out)
-    return out
