@@ -29,22 +29,27 @@ def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim, short_qu
     seen = set()
     dev = torch.device("cuda")  # only read by num_sms, patched above
     for qlen in [*range(1, 80), 128, 500, 1024, 4096]:
-        for bq, bn, warps, pass_, short_max in pa.launch_plan(gp, qlen, head_dim, True,
-                                                              short_query_len):  # fmt: skip
+        for launch in pa.launch_plan(gp, qlen, head_dim, True, short_query_len):
             for programs in [1, 2, 3, 5, 8, 13, 40, 100, 131, 132, 1000]:
                 for kv_len in [1, 100, 128, 300, 700, 1500, 2048, 5000, 40000]:
                     splits = pa.pick_num_splits(dev, programs, kv_len, 16, 128)
                     assert splits & (splits - 1) == 0  # a power of two
-                    splits = 1 if pass_ == 1 else splits  # the short launch never splits
-                    stages = pa.num_stages(True, bq * gp, splits)
-                    key = (bq, bn, warps, splits, stages, pass_, short_max)
+                    splits = 1 if launch.pass_ == 1 else splits  # the short launch never splits
+                    stages = pa.num_stages(True, launch.block_q * gp, splits)
+                    key = (*launch, splits, stages)
                     assert key in variants, key
                     seen.add(key)
     assert seen == set(variants)  # and nothing is compiled that serving never uses
     # steps with prefill chunks: 1-token decode rows get a decode tile (16 rows, not 128);
     # 8-token verify rows of 8 heads a group fill 64 rows, half the prefill tile: one launch
     two = short_query_len == 1 or (short_query_len == 8 and group < 8)
-    assert {key[5] for key in variants} == ({0, 1, 2} if two else {0})
+    assert {key.pass_ for key in map(lambda k: pa.Launch(*k[:6]), variants)} == (
+        {0, 1, 2} if two else {0})
+    # decode tiles hold whole rows (no search before their first KV tile); prefill tiles search
+    for key in variants:
+        launch = pa.Launch(*key[:6])
+        whole_rows = launch.pass_ == 1 or (launch.pass_ == 0 and launch.block_q * gp <= 64)
+        assert launch.one_tile == whole_rows, launch
 
 
 @pytest.mark.parametrize("short_query_len", [0, 2])

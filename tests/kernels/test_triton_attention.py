@@ -163,6 +163,18 @@ def test_forward_ragged_mixed(group, page):
     run_forward(gen, q_lens, prefix, page, 2 * group, 2, 16, torch.float32, num_pad=3)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_forward_decode_rows_with_a_long_padding_tail(num_splits):
+    """A graph bucket's padding tail can be many tiles long: with every row in one tile (no
+    search for a row's programs), the programs past the rows still zero all of it."""
+    gen = torch.Generator().manual_seed(31 + num_splits)
+    q_lens, prefix = [1, 2, 0, 1, 3], [9, 30, 4, 0, 17]
+    plan = pa.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET)
+    assert len(plan) == 1 and plan[0].one_tile and 45 > 2 * plan[0].block_q
+    run_forward(gen, q_lens, prefix, 4, 4, 2, 16, torch.float32, num_pad=45,
+                num_splits=num_splits)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_forward_split_kv(num_splits):
     gen = torch.Generator().manual_seed(7 + num_splits)
@@ -198,8 +210,8 @@ def test_forward_two_launches_for_short_and_long_requests(short_query_len):
     gen = torch.Generator().manual_seed(11 + short_query_len)
     group, page, head_dim = 2, 4, 16
     plan = pa.launch_plan(group, 37, head_dim, HAS_CUDA and not INTERPRET, short_query_len)
-    assert [launch[3] for launch in plan] == [1, 2], plan  # two launches, short first
-    short_max = plan[0][4]
+    assert [launch.pass_ for launch in plan] == [1, 2], plan  # two launches, short first
+    short_max = plan[0].short_max
     q_lens = [1, 37, 0, short_max, short_max + 1, 2, 1, 20, 0]
     prefix = [19, 0, 6, 11, 3, 40, 0, 9, 0]
     run_forward(gen, q_lens, prefix, page, 2 * group, 2, head_dim, torch.float32, num_pad=5,

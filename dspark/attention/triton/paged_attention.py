@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -156,23 +157,31 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr, SHORT_MAX: tl.constexpr,  # PASS 0: every request; 1: short; 2: long
+    ONE_TILE: tl.constexpr,  # the CPU promises every request fits one BLOCK_Q tile
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    r = _find_req(cu_q_ptr, pid, num_reqs, BLOCK_Q)
-    is_real = r < num_reqs
+    if ONE_TILE:  # program r is request r's; the programs past R tile the padding tail
+        r = tl.minimum(pid, num_reqs)
+        is_real = pid < num_reqs
+    else:  # a binary search over cu_q: ~log2(R) dependent loads before the first KV tile
+        r = _find_req(cu_q_ptr, pid, num_reqs, BLOCK_Q)
+        is_real = r < num_reqs
     q_start = tl.load(cu_q_ptr + r)
     q_end = tl.load(cu_q_ptr + r + 1, mask=is_real, other=0)
     q_end = tl.where(is_real, q_end, num_tokens)
-    tok0 = q_start + (pid - (q_start // BLOCK_Q + r)) * BLOCK_Q
+    if ONE_TILE:
+        tok0 = q_start + (pid - r) * BLOCK_Q
+    else:
+        tok0 = q_start + (pid - (q_start // BLOCK_Q + r)) * BLOCK_Q
     if tok0 >= q_end:
         return
     if PASS == 1:  # the other launch attends requests longer than SHORT_MAX
         if q_end - q_start > SHORT_MAX:
             return
-    if PASS == 2:
-        if q_end - q_start <= SHORT_MAX:
+    if PASS == 2:  # (and the padding tail, whatever its length)
+        if is_real & (q_end - q_start <= SHORT_MAX):
             return
     seq_len = tl.load(seq_lens_ptr + r, mask=is_real, other=0)  # padding tail: no keys
 
@@ -301,18 +310,31 @@ def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bo
 TWO_PASS_MIN_RATIO = 4  # the prefill tile this many times the decode tile: two launches
 
 
+class Launch(NamedTuple):
+    """One kernel launch's compile-time shape and role."""
+
+    block_q: int
+    block_n: int
+    warps: int
+    pass_: int  # 0: every request; 1: requests of at most short_max tokens; 2: the others
+    short_max: int
+    one_tile: bool  # every request it attends fits one block_q tile: no search for it
+
+
 def launch_plan(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool,
-                short_query_len: int = 0) -> list[tuple[int, int, int, int, int]]:  # fmt: skip
-    """The launches of one call, each (BLOCK_Q, BLOCK_N, num_warps, PASS, SHORT_MAX): one over
-    every request, or, when rows of up to `short_query_len` tokens may ride in a step whose
-    longest query needs a much taller tile, a decode-tile launch for the short requests and a
-    prefill-tile launch for the rest (CPU numbers only)."""
+                short_query_len: int = 0) -> list[Launch]:  # fmt: skip
+    """The launches of one call: one over every request, or, when rows of up to
+    `short_query_len` tokens may ride in a step whose longest query needs a much taller tile,
+    a decode-tile launch for the short requests and a prefill-tile launch for the rest (CPU
+    numbers only). On a GPU, decode tiles always hold a whole row (one_tile) and prefill tiles
+    never count on it, so one_tile adds no compiled variant."""
     bq, bn, warps = _launch_config(group_pad, max_query_len, head_dim, on_gpu)
+    prefill_tile = on_gpu and bq * group_pad > 64
     if 0 < short_query_len < max_query_len:
         sq, sn, sw = _launch_config(group_pad, short_query_len, head_dim, on_gpu)
         if bq >= TWO_PASS_MIN_RATIO * sq:
-            return [(sq, sn, sw, 1, sq), (bq, bn, warps, 2, sq)]
-    return [(bq, bn, warps, 0, 0)]
+            return [Launch(sq, sn, sw, 1, sq, True), Launch(bq, bn, warps, 2, sq, False)]
+    return [Launch(bq, bn, warps, 0, 0, max_query_len <= bq and not prefill_tile)]
 
 
 def num_stages(on_gpu: bool, rows: int, num_splits: int) -> int:
@@ -353,26 +375,29 @@ def paged_attention(
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     if block_q or block_n:
         bq, bn, warps = _launch_config(group_pad, md.max_query_len, head_dim, q.is_cuda)
-        plan = [(block_q or bq, block_n or bn, warps, 0, 0)]
+        bq, bn = block_q or bq, block_n or bn
+        plan = [Launch(bq, bn, warps, 0, 0, md.max_query_len <= bq)]
     else:
         plan = launch_plan(group_pad, md.max_query_len, head_dim, q.is_cuda, short_query_len)
-    for bq, bn, warps, pass_, short_max in plan:
-        splits = 1 if pass_ == 1 else num_splits
+    for launch in plan:
+        splits = 1 if launch.pass_ == 1 else num_splits
         if splits is None:
-            busy = md.num_reqs * num_kv_heads * triton.cdiv(max(1, md.max_query_len), bq)
+            q_tiles = triton.cdiv(max(1, md.max_query_len), launch.block_q)
+            busy = md.num_reqs * num_kv_heads * q_tiles
             splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
-        _launch(q, k_cache, v_cache, md, scale, out, bq, bn, warps, splits, pass_, short_max)
+        _launch(q, k_cache, v_cache, md, scale, out, launch, splits)
     return out
 
 
 def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch.Tensor,
-            bq: int, bn: int, warps: int, num_splits: int, pass_: int,
-            short_max: int) -> None:  # fmt: skip
+            launch: Launch, num_splits: int) -> None:  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    num_q_progs = num_tokens // bq + md.num_reqs + 1
+    bq = launch.block_q
+    # the short launch: one program per request (the long one writes the padding tail)
+    num_q_progs = md.num_reqs if launch.pass_ == 1 else num_tokens // bq + md.num_reqs + 1
     stages = num_stages(q.is_cuda, bq * group_pad, num_splits)
     if num_splits > 1:
         part_o = _empty((num_splits, num_tokens, num_heads, head_dim), torch.float32, q.device)
@@ -388,12 +413,12 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         md.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=bn,
+        BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=launch.block_n,
         # tl.dot needs a reduction dim >= 16: small heads are padded (masked) to 16
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
-        PASS=pass_, SHORT_MAX=short_max,
-        num_warps=warps, num_stages=stages,
+        PASS=launch.pass_, SHORT_MAX=launch.short_max, ONE_TILE=launch.one_tile,
+        num_warps=launch.warps, num_stages=stages,
     )  # fmt: skip
     if num_splits > 1:
         combine_splits(part_o, part_lse, out)

@@ -16,17 +16,14 @@ from dspark.attention.triton import paged_attention as pa
 
 def launch_variants(group_pad: int, head_dim: int, max_splits: int,
                     short_query_len: int = 0) -> dict:  # fmt: skip
-    """Every compile-time launch variant (BLOCK_Q, BLOCK_N, warps, splits, stages, PASS,
-    SHORT_MAX) a CUDA call can take, mapped to a (max_query_len, num_splits) call that
-    compiles it."""
+    """Every compile-time launch variant (a `Launch`, splits, stages) a CUDA call can take,
+    mapped to a (max_query_len, num_splits) call that compiles it."""
     variants = {}
     for qlen in range(1, 64 // group_pad + 2):  # past 64 rows every length is "prefill"
-        for bq, bn, warps, pass_, short_max in pa.launch_plan(group_pad, qlen, head_dim, True,
-                                                           short_query_len):  # fmt: skip
-            for splits in [1] if pass_ == 1 else pa.split_counts(max_splits):
-                stages = pa.num_stages(True, bq * group_pad, splits)
-                key = (bq, bn, warps, splits, stages, pass_, short_max)
-                variants.setdefault(key, (qlen, splits))
+        for launch in pa.launch_plan(group_pad, qlen, head_dim, True, short_query_len):
+            for splits in [1] if launch.pass_ == 1 else pa.split_counts(max_splits):
+                stages = pa.num_stages(True, launch.block_q * group_pad, splits)
+                variants.setdefault((*launch, splits, stages), (qlen, splits))
     return variants
 
 
