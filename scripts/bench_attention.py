@@ -104,17 +104,6 @@ def bench_decode(batch, ctx, q_len, args, splits=None):
     return ms, kv_bytes + 2 * q.numel() * q.element_size(), used
 
 
-def searching(fn, *a, **kw):
-    """fn with every launch finding its rows by binary search (the one-tile mapping off), for
-    comparison."""
-    real = pa.launch_plan
-    pa.launch_plan = lambda *p, **k: [x._replace(one_tile=False) for x in real(*p, **k)]
-    try:
-        return fn(*a, **kw)
-    finally:
-        pa.launch_plan = real
-
-
 def bench_draft(batch, ctx, block_len, args):
     kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * 2
     num_sets = max(1, min(8, triton.cdiv(MIN_FOOTPRINT, kv_bytes)))
@@ -196,7 +185,7 @@ def mixed_rows(args) -> list[str]:
     out = []
     for label, (nd, qd, cd), (npf, qp, cp) in MIXED_CASES:
         rows = [(qd, cd)] * nd + [(qp, cp)] * npf
-        one = searching(bench_mixed, rows, args, 0)  # as before the short launch
+        one = bench_mixed(rows, args, 0)
         two = bench_mixed(rows, args, qd)
         dec = bench_mixed([(qd, cd)] * nd, args, 0) if nd else 0.0
         pre = bench_mixed([(qp, cp)] * npf, args, 0)
@@ -227,12 +216,10 @@ def main() -> None:
             for batch in (1, 16, 64, 256):
                 ms, nbytes, splits = bench_decode(batch, ctx, q_len, args)
                 ms1, _, _ = bench_decode(batch, ctx, q_len, args, splits=1)
-                ms_s, _, _ = searching(bench_decode, batch, ctx, q_len, args)
                 gbs = nbytes / (ms * 1e-3) / 1e9
                 rows.append(f"decode  B={batch:<4d}ctx={ctx:<5d}q={q_len}  splits={splits:<3d}"
                             f"{ms * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs * 1e9 / bw:6.1%}"
-                            f"   (1 split: {ms1 * 1e3:7.1f} us; searching rows: "
-                            f"{ms_s * 1e3:7.1f} us)")
+                            f"   (1 split: {ms1 * 1e3:7.1f} us)")
                 torch.cuda.empty_cache()
     for batch in (1, 64):
         ms, nbytes = bench_draft(batch, 2048, 16, args)

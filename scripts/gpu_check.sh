@@ -88,7 +88,7 @@ if has attn; then
     tests/kernels/test_triton_attention.py tests/kernels/test_attention_variants.py 2>&1 \
     | tee "$OUT/attn_tests.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-  python3 scripts/bench_attention.py ${ATTN_ARGS:---mixed-only} 2>&1 | tee "$OUT/attn.log" | tail -12
+  python3 scripts/bench_attention.py ${ATTN_ARGS---mixed-only} 2>&1 | tee "$OUT/attn.log" | tail -12
 fi
 if has fused; then
   python3 scripts/bench_fused_ops.py 2>&1 | tee "$OUT/fused.log" | tail -20

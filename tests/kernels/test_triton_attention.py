@@ -164,15 +164,16 @@ def test_forward_ragged_mixed(group, page):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_forward_decode_rows_with_a_long_padding_tail(num_splits):
-    """A graph bucket's padding tail can be many tiles long: with every row in one tile (no
-    search for a row's programs), the programs past the rows still zero all of it."""
+def test_forward_short_rows_with_a_long_padding_tail(num_splits):
+    """A graph bucket's padding tail can be many tiles long; with a short launch (one program
+    per request, none for the tail) the long launch still zeroes all of it, and when the long
+    launch splits, its combine (over every token) does not clobber the short rows."""
     gen = torch.Generator().manual_seed(31 + num_splits)
-    q_lens, prefix = [1, 2, 0, 1, 3], [9, 30, 4, 0, 17]
-    plan = pa.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET)
-    assert len(plan) == 1 and plan[0].one_tile and 45 > 2 * plan[0].block_q
-    run_forward(gen, q_lens, prefix, 4, 4, 2, 16, torch.float32, num_pad=45,
-                num_splits=num_splits)
+    q_lens, prefix = [1, 2, 0, 1, 3, 24], [9, 30, 4, 0, 17, 5]
+    plan = pa.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET, 1)
+    assert [launch.pass_ for launch in plan] == [2, 1] and 150 > 2 * plan[0].block_q
+    run_forward(gen, q_lens, prefix, 4, 4, 2, 16, torch.float32, num_pad=150,
+                num_splits=num_splits, short_query_len=1)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
@@ -210,8 +211,8 @@ def test_forward_two_launches_for_short_and_long_requests(short_query_len):
     gen = torch.Generator().manual_seed(11 + short_query_len)
     group, page, head_dim = 2, 4, 16
     plan = pa.launch_plan(group, 37, head_dim, HAS_CUDA and not INTERPRET, short_query_len)
-    assert [launch.pass_ for launch in plan] == [1, 2], plan  # two launches, short first
-    short_max = plan[0].short_max
+    assert [launch.pass_ for launch in plan] == [2, 1], plan  # two launches, long first
+    short_max = plan[1].short_max
     q_lens = [1, 37, 0, short_max, short_max + 1, 2, 1, 20, 0]
     prefix = [19, 0, 6, 11, 3, 40, 0, 9, 0]
     run_forward(gen, q_lens, prefix, page, 2 * group, 2, head_dim, torch.float32, num_pad=5,
@@ -284,7 +285,9 @@ def test_cuda_prefill_full(dtype):
     run_forward(gen, q_lens, prefix, 16, 32, 8, 128, dtype, num_pad=7)
     run_forward(gen, [1, 8], [4095, 4088], 32, 32, 8, 128, dtype, backend=TritonAttentionBackend())
     for short in (1, 8):  # the decode / verify rows attended apart from the prefill chunks
-        run_forward(gen, q_lens, prefix, 16, 32, 8, 128, dtype, num_pad=7, short_query_len=short)
+        for splits in (None, 4):  # (a split long launch combines over every token)
+            run_forward(gen, q_lens, prefix, 16, 32, 8, 128, dtype, num_pad=7,
+                        short_query_len=short, num_splits=splits)
 
 
 @cuda_only
