@@ -179,7 +179,9 @@ class SpecDecoder:
         other, n_sampling = self._step_other, host.get("num_samples")
         decide = self.drafting.due(n)  # (every few steps, or when the batch size moves)
         budget = 0
-        if total > 0:
+        if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
+            budget = total  # what the full plan returns (a penalty only helps the bound)
+        elif total > 0:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
             caps, slots = rows[1], rows[4]
             # a decode step's trimmed plan pays what trimmed steps were measured to cost

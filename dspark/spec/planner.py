@@ -283,6 +283,17 @@ class Planner:
             ctx = self._contexts[key] = (cand, variable, ends, settled)
         return ctx
 
+    def bound_settles(self, num_reqs: int, total: int) -> bool:
+        """A decode step (no prefill chunk) whose verify-all the bound settles without a trim
+        penalty: plan_cpu would return `total` for any penalty >= 0, whatever the
+        confidences, so the caller skips gathering its inputs (the common step at low load).
+        Records the decision as plan_cpu would."""
+        _, _, ends, settled = self._context(num_reqs, 0, total)
+        if not self._bound_settles(ends, 0.0):
+            return False
+        self.last_decision = settled
+        return True
+
     def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,
                              penalty_ms: float) -> bool:
         return self._bound_settles(self._context(num_reqs, other, total)[2], penalty_ms)

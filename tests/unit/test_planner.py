@@ -619,3 +619,38 @@ def test_a_fixed_term_move_keeps_standing_plans_and_shape_contexts():
     steep.fixed_overhead_ms = 0.0
     p.invalidate_tables()
     assert p.plan_cpu(stale(weak), caps, 0, 2) == first and len(reads) == 3
+
+
+def test_a_step_the_bound_settles_is_verify_all_for_any_penalty_and_confidences():
+    """The engine skips gathering a decode step's plan inputs (penalty, acceptance ratio,
+    rows) when `bound_settles` says so: that must be exactly when the full search would verify
+    everything anyway, whatever the confidences, trim penalty and graph snapping."""
+    rng = np.random.default_rng(5)
+    settled = searched = 0
+    for step in range(400):
+        cost = random_cost(rng, max_tokens=96)
+        cost.fixed_overhead_ms = float(rng.choice([0.0, rng.uniform(0, 20)]))
+        snap = bool(rng.integers(2))
+        if snap:
+            cost.graph_sizes = [1, 2, 4, 8, 16, 24, 32, 48]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (flat random tables)
+            planner = Planner("lagged", cost, snap_to_graphs=snap)
+        num_reqs = int(rng.integers(1, 7))
+        caps = rng.integers(1, 8, num_reqs)
+        total = int(caps.sum())
+        if not planner.bound_settles(num_reqs, total):
+            searched += 1
+            continue
+        settled += 1
+        assert planner.last_decision.budget == total and not planner.last_decision.trimmed
+        allowed = cost.budget_candidates(num_reqs, total) if snap else None
+        for _ in range(5):
+            conf = rng.uniform(0, 1, (num_reqs, 7)) ** rng.uniform(0.2, 3)
+            penalty = float(rng.choice([0.0, rng.uniform(0, 2)]))
+            want = plan_budget_lagged(conf, caps, 0, num_reqs, cost, planner.min_predicted_gain,
+                                      allowed, 1.0, penalty)  # fmt: skip
+            assert want.budget == total, step
+            scale = float(rng.uniform(1.0, 3.0))  # the engine's acceptance ratio (>= 1)
+            assert planner.plan_cpu(conf, caps, 0, num_reqs, penalty, None, scale) == total
+    assert settled > 40 and searched > 40  # both outcomes exercised
