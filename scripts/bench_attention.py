@@ -26,6 +26,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 from dspark.attention.base import AttentionMetadata, compute_token_to_req  # noqa: E402
 from dspark.attention.triton import draft_attention as da  # noqa: E402
+from dspark.attention.triton import launch_config  # noqa: E402
 from dspark.attention.triton import paged_attention as pa  # noqa: E402
 
 PAGE = 16
@@ -100,7 +101,7 @@ def bench_decode(batch, ctx, q_len, args, splits=None):
     ]
     ms = graph_time_ms(calls)
     num_q_progs = batch * args.kv_heads  # what the split heuristic sees
-    used = splits or pa.pick_num_splits(q.device, num_q_progs, ctx, 16, 128)
+    used = splits or launch_config.pick_num_splits(q.device, num_q_progs, ctx, 16, 128)
     return ms, kv_bytes + 2 * q.numel() * q.element_size(), used
 
 

@@ -30,13 +30,13 @@ def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim, short_qu
     seen = set()
     dev = torch.device("cuda")  # only read by num_sms, patched above
     for qlen in [*range(1, 80), 128, 500, 1024, 4096]:
-        for launch in pa.launch_plan(gp, qlen, head_dim, True, short_query_len):
+        for launch in launch_config.launch_plan(gp, qlen, head_dim, True, short_query_len):
             for programs in [1, 2, 3, 5, 8, 13, 40, 100, 131, 132, 1000]:
                 for kv_len in [1, 100, 128, 300, 700, 1500, 2048, 5000, 40000]:
-                    splits = pa.pick_num_splits(dev, programs, kv_len, 16, 128)
+                    splits = launch_config.pick_num_splits(dev, programs, kv_len, 16, 128)
                     assert splits & (splits - 1) == 0  # a power of two
                     splits = 1 if launch.pass_ == 1 else splits  # the short launch never splits
-                    stages = pa.num_stages(True, launch.block_q * gp, splits)
+                    stages = launch_config.num_stages(True, launch.block_q * gp, splits)
                     key = (*launch, splits, stages)
                     assert key in variants, key
                     seen.add(key)

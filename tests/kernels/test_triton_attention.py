@@ -26,6 +26,7 @@ from dspark.attention.base import (  # noqa: E402
 )
 from dspark.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from dspark.attention.triton import draft_attention as da  # noqa: E402
+from dspark.attention.triton import launch_config  # noqa: E402
 from dspark.attention.triton import paged_attention as pa  # noqa: E402
 from dspark.attention.triton_backend import TritonAttentionBackend, triton_interpreting  # noqa: E402
 
@@ -170,7 +171,7 @@ def test_forward_short_rows_with_a_long_padding_tail(num_splits):
     launch splits, its combine (over every token) does not clobber the short rows."""
     gen = torch.Generator().manual_seed(31 + num_splits)
     q_lens, prefix = [1, 2, 0, 1, 3, 24], [9, 30, 4, 0, 17, 5]
-    plan = pa.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET, 1)
+    plan = launch_config.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET, 1)
     assert [launch.pass_ for launch in plan] == [2, 1] and 150 > 2 * plan[0].block_q
     run_forward(gen, q_lens, prefix, 4, 4, 2, 16, torch.float32, num_pad=150,
                 num_splits=num_splits, short_query_len=1)
@@ -210,7 +211,8 @@ def test_forward_two_launches_for_short_and_long_requests(short_query_len):
     launch, whatever its length (rows of SHORT_MAX and SHORT_MAX + 1 tokens included)."""
     gen = torch.Generator().manual_seed(11 + short_query_len)
     group, page, head_dim = 2, 4, 16
-    plan = pa.launch_plan(group, 37, head_dim, HAS_CUDA and not INTERPRET, short_query_len)
+    on_gpu = HAS_CUDA and not INTERPRET
+    plan = launch_config.launch_plan(group, 37, head_dim, on_gpu, short_query_len)
     assert [launch.pass_ for launch in plan] == [2, 1], plan  # two launches, long first
     short_max = plan[1].short_max
     q_lens = [1, 37, 0, short_max, short_max + 1, 2, 1, 20, 0]
@@ -309,7 +311,8 @@ def test_cuda_graph_replay_matches_reference(max_q, short_query_len):
     num_rows, pad = 24, 10
     backend = TritonAttentionBackend()
     backend.short_query_len = short_query_len
-    assert len(pa.launch_plan(4, max_q, 128, True, short_query_len)) == (2 if max_q > 4 else 1)
+    plan = launch_config.launch_plan(4, max_q, 128, True, short_query_len)
+    assert len(plan) == (2 if max_q > 4 else 1)
     steps = []
     for _ in range(3):
         q_lens, prefix = _random_rows(gen, num_rows, max_q, 2000)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.attention.triton.launch_config import num_stages, pick_num_splits
 from dspark.attention.triton.paged_attention import (
     LOG2E,
     _attend_paged,
@@ -26,8 +27,6 @@ from dspark.attention.triton.paged_attention import (
     _store_result,
     combine_splits,
     dot_precision,
-    num_stages,
-    pick_num_splits,
 )
 from dspark.triton_jit import unspecialized
 

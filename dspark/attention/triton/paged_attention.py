@@ -40,14 +40,12 @@ import triton
 import triton.language as tl
 
 from dspark.attention.base import AttentionMetadata
-from dspark.attention.triton.launch_config import (  # noqa: F401  (re-exported)
-    TWO_PASS_MIN_RATIO,
+from dspark.attention.triton.launch_config import (
     Launch,
     _launch_config,
     launch_plan,
     num_stages,
     pick_num_splits,
-    split_counts,
 )
 from dspark.triton_jit import unspecialized
 

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from dspark.attention.base import SENTINEL_SLOT, AttentionMetadata
+from dspark.attention.triton import launch_config as lc
 from dspark.attention.triton import paged_attention as pa
 
 
@@ -20,9 +21,9 @@ def launch_variants(group_pad: int, head_dim: int, max_splits: int,
     mapped to a (max_query_len, num_splits) call that compiles it."""
     variants = {}
     for qlen in range(1, 64 // group_pad + 2):  # past 64 rows every length is "prefill"
-        for launch in pa.launch_plan(group_pad, qlen, head_dim, True, short_query_len):
-            for splits in [1] if launch.pass_ == 1 else pa.split_counts(max_splits):
-                stages = pa.num_stages(True, launch.block_q * group_pad, splits)
+        for launch in lc.launch_plan(group_pad, qlen, head_dim, True, short_query_len):
+            for splits in [1] if launch.pass_ == 1 else lc.split_counts(max_splits):
+                stages = lc.num_stages(True, launch.block_q * group_pad, splits)
                 variants.setdefault((*launch, splits, stages), (qlen, splits))
     return variants
 
