@@ -225,6 +225,17 @@ def test_forward_two_launches_for_short_and_long_requests(short_query_len):
                 backend=backend)
 
 
+def test_two_launches_with_an_odd_group_and_a_padded_head_dim():
+    """Three query heads per KV head (the tile pads the group to 4) and head_dim 24 (padded
+    to 32), fp16, with the long launch split."""
+    gen = torch.Generator().manual_seed(17)
+    plan = launch_config.launch_plan(4, 30, 24, HAS_CUDA and not INTERPRET, 2)
+    assert [launch.pass_ for launch in plan] == [2, 1], plan
+    q_lens, prefix = [2, 30, 1, 0, plan[1].short_max + 1], [33, 5, 60, 2, 0]
+    run_forward(gen, q_lens, prefix, 4, 6, 2, 24, torch.float16, num_pad=3, num_splits=2,
+                short_query_len=2)
+
+
 def run_draft(gen, ctx_lens, block_len, page, num_heads, num_kv, head_dim, dtype,
               num_splits=None, backend=None):
     tables, num_blocks = build_tables(gen, ctx_lens, page, DEVICE)
