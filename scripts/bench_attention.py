@@ -218,9 +218,13 @@ def main() -> None:
                 ms, nbytes, splits = bench_decode(batch, ctx, q_len, args)
                 ms1, _, _ = bench_decode(batch, ctx, q_len, args, splits=1)
                 gbs = nbytes / (ms * 1e-3) / 1e9
+                # the heuristic's split count against the others, where it splits at all
+                others = "".join(
+                    f"; {s} splits: {bench_decode(batch, ctx, q_len, args, splits=s)[0] * 1e3:.1f}"
+                    for s in (2, 4, 8, 16) if splits > 1 and s != splits)  # fmt: skip
                 rows.append(f"decode  B={batch:<4d}ctx={ctx:<5d}q={q_len}  splits={splits:<3d}"
                             f"{ms * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs * 1e9 / bw:6.1%}"
-                            f"   (1 split: {ms1 * 1e3:7.1f} us)")
+                            f"   (1 split: {ms1 * 1e3:7.1f} us{others})")
                 torch.cuda.empty_cache()
     for batch in (1, 64):
         ms, nbytes = bench_draft(batch, 2048, 16, args)
