@@ -51,7 +51,7 @@ class TritonAttentionBackend(AttentionBackend):
         from dspark.attention.triton import paged_attention_warmup
 
         return paged_attention_warmup.warmup(k_cache, v_cache, num_heads, self.max_splits,
-                                      self.min_split_len, self.short_query_len)  # fmt: skip
+                                             self.min_split_len, self.short_query_len)  # fmt: skip
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)

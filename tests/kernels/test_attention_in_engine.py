@@ -60,9 +60,9 @@ def test_a_prompt_beside_a_decoding_row_matches_the_torch_backend(
     launches = []
     real = pa._launch
 
-    def spy(q, k_cache, v_cache, md, scale, out, launch, num_splits):
+    def spy(q, k_cache, v_cache, md, scale, out, launch, num_splits, group_pad):
         launches.append((launch.pass_, num_splits))
-        return real(q, k_cache, v_cache, md, scale, out, launch, num_splits)
+        return real(q, k_cache, v_cache, md, scale, out, launch, num_splits, group_pad)
 
     monkeypatch.setattr(pa, "_launch", spy)
     got = _serve(tiny_qwen, "triton", spec)

@@ -72,8 +72,9 @@ class Launch(NamedTuple):
     short_max: int
 
 
+@functools.cache  # every eager attention call asks (once per layer): a few shapes repeat
 def launch_plan(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool,
-                short_query_len: int = 0) -> list[Launch]:  # fmt: skip
+                short_query_len: int = 0) -> tuple[Launch, ...]:  # fmt: skip
     """The launches of one call: one over every request, or, when rows of up to
     `short_query_len` tokens may ride in a step whose longest query needs a much taller tile,
     a prefill-tile launch for the long requests and a decode-tile launch for the rest (CPU
@@ -84,8 +85,8 @@ def launch_plan(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool,
         if bq >= TWO_PASS_MIN_RATIO * sq:
             # long first: when it splits, its combine writes every token's row (the short
             # rows from partials it never wrote); the short launch then writes those rows
-            return [Launch(bq, bn, warps, 2, sq), Launch(sq, sn, sw, 1, sq)]
-    return [Launch(bq, bn, warps, 0, 0)]
+            return Launch(bq, bn, warps, 2, sq), Launch(sq, sn, sw, 1, sq)
+    return (Launch(bq, bn, warps, 0, 0),)
 
 
 def num_stages(on_gpu: bool, rows: int, num_splits: int) -> int:

@@ -298,7 +298,7 @@ def paged_attention(
     if block_q or block_n:
         bq, bn, warps = _launch_config(group_pad, md.max_query_len, head_dim, q.is_cuda)
         bq, bn = block_q or bq, block_n or bn
-        plan = [Launch(bq, bn, warps, 0, 0)]
+        plan = (Launch(bq, bn, warps, 0, 0),)
     else:
         plan = launch_plan(group_pad, md.max_query_len, head_dim, q.is_cuda, short_query_len)
     for launch in plan:
@@ -307,16 +307,15 @@ def paged_attention(
             q_tiles = triton.cdiv(max(1, md.max_query_len), launch.block_q)
             busy = md.num_reqs * num_kv_heads * q_tiles
             splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
-        _launch(q, k_cache, v_cache, md, scale, out, launch, splits)
+        _launch(q, k_cache, v_cache, md, scale, out, launch, splits, group_pad)
     return out
 
 
 def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch.Tensor,
-            launch: Launch, num_splits: int) -> None:  # fmt: skip
+            launch: Launch, num_splits: int, group_pad: int) -> None:  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
     bq = launch.block_q
     # the short launch: one program per request (the long one writes the padding tail)
     num_q_progs = md.num_reqs if launch.pass_ == 1 else num_tokens // bq + md.num_reqs + 1

@@ -50,5 +50,5 @@ def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_spl
         )  # fmt: skip
         q = torch.randn(qlen, num_heads, head_dim, device=dev).to(dtype)
         pa.paged_attention(q, k_cache, v_cache, md, 1.0, num_splits=splits,
-                        short_query_len=short_query_len)  # fmt: skip
+                           short_query_len=short_query_len)  # fmt: skip
     return len(variants)
