@@ -87,7 +87,7 @@ class StepInputs:
 META_FIELDS = (
     "num_reqs", "num_tokens", "max_blocks", "max_query_len", "max_seq_len", "num_samples",
     "all_greedy", "max_capacity", "max_num_logits", "any_top_k", "any_top_p", "any_min_p",
-    "num_draft_fills",
+    "num_draft_fills", "context_tokens",
 )  # fmt: skip
 _META = {name: i for i, name in enumerate(META_FIELDS)}
 
@@ -228,7 +228,7 @@ def pack_step(
     meta = np.array([
         num_reqs, total, max_blocks, hi[8], hi[9], num_samples, bool(fmax[0] <= GREEDY_EPS),
         hi[1], num_samples + int(samples @ caps), hi[7] > 0, bool(fmin[1] < 1),
-        bool(fmax[2] > 0), num_drafts,
+        bool(fmax[2] > 0), num_drafts, int(start.sum()),  # (the rows' contexts, summed)
     ], dtype=np.int64)  # fmt: skip
     return HostStep(meta, ints, floats, fill)
 

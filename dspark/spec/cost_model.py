@@ -23,6 +23,22 @@ The planner maximises a *ratio* (expected tokens / step time), so the non-trimma
 matter: leaving them out makes every draft token look expensive and over-trims. A flat table
 (more tokens cost nothing) silently disables trimming; `describe_problem()` says so, and callers
 must surface it loudly.
+
+Context. Every row of a step reads its whole context's K and V in every layer, so a step's time
+grows with the sum of its rows' contexts, which the token table cannot see: it was profiled on
+rows of one context (`profile_context_len`, `verify_reqs` rows at each point). A table that
+knows that slope (`context_ms_per_token`, measured by the profiler) prices a step at its own
+context: the table's point less the context it was measured with, plus the step's
+(`set_step_context`: the sum of its rows' contexts before the step; the query tokens' own keys
+are in both and cancel):
+
+    verify(n | C) = table(n) - slope * profile_context_len * verify_reqs(n)   (zero context)
+                  + slope * C                                                  (per step)
+
+The first line is a table over n (cached, like the rest); the second is added with the fixed
+term. Without it the H200's 8B-shaped profile (256-token rows) understated plain steps of 256
+rows over ~640 tokens by ~3.5 ms and overstated 64-row verify steps by ~0.9 ms, errors the
+online fixed terms then carried per batch-size bucket, with opposite signs per kind of step.
 """
 
 from __future__ import annotations
@@ -80,6 +96,11 @@ class CostModel:
     fixed_overhead_ms: float = 0.0
     graph_sizes: tuple[int, ...] | None = None  # captured token buckets (sorted)
     provenance: dict[str, Any] = field(default_factory=dict)
+    # context pricing (module docstring); all three known, or the table's context is assumed
+    verify_reqs: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [P] rows profiled
+    context_ms_per_token: float = 0.0  # every layer's K and V of one context token, read
+    profile_context_len: float = 0.0  # the context of every profiled row
+    step_context_ms: float = field(default=0.0, init=False, compare=False)  # slope * C
     # host lookup tables of the per-step planner (dense over integer token counts)
     _verify_dense: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
                                       repr=False, compare=False)  # fmt: skip
@@ -88,6 +109,12 @@ class CostModel:
     greedy_drafts: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        reqs = np.asarray(self.verify_reqs, dtype=np.float64).reshape(-1)
+        if reqs.size and reqs.size != np.asarray(self.verify_tokens).size:
+            raise ValueError(f"verify table: {np.asarray(self.verify_tokens).size} token "
+                             f"counts but {reqs.size} request counts")
+        self.verify_reqs = (_monotone_table(self.verify_tokens, reqs, "verify rows")[1]
+                            if reqs.size else reqs)  # same token-count order
         self.verify_tokens, self.verify_ms = _monotone_table(
             self.verify_tokens, self.verify_ms, "verify table")
         greedy = np.asarray(self.draft_greedy_ms, dtype=np.float64).reshape(-1)
@@ -98,6 +125,7 @@ class CostModel:
                                 if greedy.size else greedy)  # same request-count order
         self.draft_reqs, self.draft_ms = _monotone_table(
             self.draft_reqs, self.draft_ms, "draft table")
+        self._price_context()
         self.fixed_overhead_ms = float(self.fixed_overhead_ms)
         if not np.isfinite(self.fixed_overhead_ms) or self.fixed_overhead_ms < 0:
             raise ValueError("fixed_overhead_ms must be finite and >= 0")
@@ -107,6 +135,32 @@ class CostModel:
                 raise ValueError("graph_sizes must be positive token counts")
             self.graph_sizes = tuple(sizes)
         self.provenance = dict(self.provenance or {})
+
+    def _price_context(self) -> None:
+        """Validate the context fields; build the zero-context verify table (monotone, >= 0)."""
+        self.context_ms_per_token = float(self.context_ms_per_token)
+        self.profile_context_len = float(self.profile_context_len)
+        for name in ("context_ms_per_token", "profile_context_len"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be finite and >= 0")
+        self._verify_priced = self.verify_ms
+        if self.prices_context:
+            credit = self.context_ms_per_token * self.profile_context_len * self.verify_reqs
+            self._verify_priced = np.maximum.accumulate(np.maximum(self.verify_ms - credit, 0.0))
+
+    @property
+    def prices_context(self) -> bool:
+        """Whether steps are priced at their own context (set_step_context) rather than at
+        the profiled one."""
+        return (self.context_ms_per_token > 0 and self.profile_context_len > 0
+                and self.verify_reqs.size == self.verify_tokens.size > 0)
+
+    def set_step_context(self, context_tokens: float) -> None:
+        """The step being priced: the sum of its rows' contexts before it (tokens). Every step
+        price from now on includes its read (0 where the table does not price context)."""
+        self.step_context_ms = (self.context_ms_per_token * float(context_tokens)
+                                if self.prices_context else 0.0)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -120,8 +174,12 @@ class CostModel:
         provenance: dict[str, Any] | None = None,
         graph_sizes: Sequence[int] | None = None,
         draft_greedy_times_ms: Sequence[float] | None = None,
+        verify_reqs: Sequence[int] | None = None,
+        context_ms_per_token: float = 0.0,
+        profile_context_len: float = 0.0,
     ) -> CostModel:
-        """Build from profiled medians (verify times per token count, draft times per R)."""
+        """Build from profiled medians (verify times per token count, draft times per R;
+        `verify_reqs`: the rows of each verify point's batch, for context pricing)."""
         return cls(
             verify_tokens=np.asarray(token_counts),
             verify_ms=np.asarray(times_ms),
@@ -131,6 +189,8 @@ class CostModel:
             fixed_overhead_ms=fixed_ms,
             graph_sizes=tuple(graph_sizes) if graph_sizes is not None else None,
             provenance=provenance or {},
+            verify_reqs=np.asarray(verify_reqs if verify_reqs is not None else []),
+            context_ms_per_token=context_ms_per_token, profile_context_len=profile_context_len,
         )
 
     @classmethod
@@ -181,7 +241,7 @@ class CostModel:
         if self.graph_sizes:
             bucket = self.graph_bucket(np.ceil(n).astype(np.int64))
             n = np.where(bucket >= 0, bucket, n)
-        return _interp(n, self.verify_tokens, self.verify_ms)
+        return _interp(n, self.verify_tokens, self._verify_priced)  # (at zero context)
 
     def draft_cost_ms(self, num_reqs) -> np.ndarray:
         greedy = self.greedy_drafts and self.draft_greedy_ms.size
@@ -201,8 +261,8 @@ class CostModel:
 
     def step_time_ms(self, num_tokens, num_reqs) -> np.ndarray:
         """Vectorized over numpy arrays (broadcast); returns float64 ms, always > 0."""
-        t = self.fixed_overhead_ms + (self.draft_cost_ms(num_reqs) + self.verify_cost_ms(
-            num_tokens))  # fmt: skip
+        t = self.fixed_overhead_ms + self.step_context_ms + (self.draft_cost_ms(num_reqs)
+                                                             + self.verify_cost_ms(num_tokens))
         return np.maximum(t, _MIN_STEP_MS)
 
     def step_time_lookup(self, num_tokens: np.ndarray, num_reqs: int) -> np.ndarray:
@@ -219,11 +279,12 @@ class CostModel:
         return self.draft_lookup(num_reqs) + verify[n]
 
     def add_fixed(self, variable_ms):
-        """Step times from their variable parts (variable_lookup) and the current fixed term
-        (a float for a float: the planner's bound asks every step)."""
+        """Step times from their variable parts (variable_lookup), the current fixed term and
+        the step's context read (a float for a float: the planner's bound asks every step)."""
         if isinstance(variable_ms, float):
-            return max(self.fixed_overhead_ms + variable_ms, _MIN_STEP_MS)
-        return np.maximum(self.fixed_overhead_ms + variable_ms, _MIN_STEP_MS)
+            return max(self.fixed_overhead_ms + self.step_context_ms + variable_ms, _MIN_STEP_MS)
+        return np.maximum((self.fixed_overhead_ms + self.step_context_ms) + variable_ms,
+                          _MIN_STEP_MS)
 
     def draft_lookup(self, num_reqs: int) -> float:
         """`draft_cost_ms` of one request count, cached."""
@@ -331,7 +392,9 @@ class CostModel:
             "kind": "dspark_cost_model",
             "fixed_overhead_ms": self.fixed_overhead_ms,
             "verify": {"num_tokens": self.verify_tokens.tolist(),
-                       "ms": self.verify_ms.tolist()},
+                       "ms": self.verify_ms.tolist(), "num_reqs": self.verify_reqs.tolist()},
+            "context": {"ms_per_token": self.context_ms_per_token,
+                        "profile_context_len": self.profile_context_len},
             "draft": {"num_reqs": self.draft_reqs.tolist(), "ms": self.draft_ms.tolist(),
                       "greedy_ms": self.draft_greedy_ms.tolist()},
             "graph_sizes": list(self.graph_sizes) if self.graph_sizes else None,
@@ -353,6 +416,9 @@ class CostModel:
             fixed_overhead_ms=d.get("fixed_overhead_ms", 0.0),
             graph_sizes=tuple(d["graph_sizes"]) if d.get("graph_sizes") else None,
             provenance=d.get("provenance", {}),
+            verify_reqs=np.asarray(d["verify"].get("num_reqs", [])),  # (older tables: none)
+            context_ms_per_token=d.get("context", {}).get("ms_per_token", 0.0),
+            profile_context_len=d.get("context", {}).get("profile_context_len", 0.0),
         )
 
     def to_json(self, path: str | os.PathLike) -> None:

@@ -94,6 +94,7 @@ class SpecDecoder:
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
         self.last_kind = "plain"  # ... and the last one's
         self._fixed_by_mode = fixed_costs_by_mode()  # online fixed costs: greedy / sampled
+        self._tables_context_ms = 0.0  # the context read the planner's device tables priced
         self.fixed_costs = self._fixed_by_mode[True]  # the mode of the step planned last
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
         # lagged plans (graph_trims); else a trimmed plan pays the per-phase path's extra cost
@@ -155,11 +156,14 @@ class SpecDecoder:
             # price the drafter this step runs (argmax only when every row is greedy: about
             # half the sampled drafter's cost at 8B scale) and the fixed term at this batch size
             greedy = bool(host.get("all_greedy"))
+            self.cost.set_step_context(host.get("context_tokens"))  # (its KV read, priced)
             priced = self.cost.use_greedy_drafts(greedy)
             self.fixed_costs = self._fixed_by_mode[greedy]  # (and the fixed terms of the mode)
             moved = self._online_cost and self.fixed_costs.apply(self.cost, n)
+            if abs(self.cost.step_context_ms - self._tables_context_ms) > 0.05:
+                self._tables_context_ms, moved = self.cost.step_context_ms, True
             if (priced or moved) and self.planner is not None:
-                # device tables embed both; a standing plan (a few plans at most) outlives
+                # device tables embed all three; a standing plan (a few plans at most) outlives
                 # the fixed term's small moves, not a change of the drafter's price
                 self.planner.invalidate_tables(keep_plans=not priced)
         budget = None
@@ -363,16 +367,18 @@ class SpecDecoder:
     def step_tag(self) -> tuple[str, float, bool] | None:
         """What the online cost model needs of the step just launched, read at launch (with
         async scheduling it is observed after the next one is planned): its kind, the
-        drafter's price and its sampling mode (greedy). None: not observed (no online
+        price of its drafter and context read, and its sampling mode (greedy). None: not
+        observed (no online
         correction, prefill chunks, or a probe's drafts verified while drafting is off:
         online_cost.py)."""
         if not self._online_cost or self._step_other > 0:
             return None
+        context_ms = self.cost.step_context_ms
         if not self.draft_enabled:
-            return ("plain", 0.0, self.fixed_costs.greedy) if self._no_drafts else None
+            return ("plain", context_ms, self.fixed_costs.greedy) if self._no_drafts else None
         kind = ("trim" if self._step_trimmed
                 else "eager" if self.graph_steps and not self.ran_as_graph else "spec")  # fmt: skip
-        return kind, self.cost.draft_lookup(self._step_reqs), self.fixed_costs.greedy
+        return kind, self.cost.draft_lookup(self._step_reqs) + context_ms, self.fixed_costs.greedy
 
     def take_prediction(self) -> tuple | None:
         """Read at launch: the step just planned decided on its rows' confidences; what they
@@ -386,8 +392,8 @@ class SpecDecoder:
         """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
         if tag is None or num_reqs == 0:
             return
-        kind, draft_ms, greedy = tag
-        variable = self.cost.verify_lookup(num_tokens) + draft_ms  # dense table: every step
+        kind, priced_ms, greedy = tag  # (the drafter's and the context read's price)
+        variable = self.cost.verify_lookup(num_tokens) + priced_ms  # dense table: every step
         self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
 
     def count_allocation_ms(self, ms: float) -> None:

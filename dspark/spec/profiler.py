@@ -7,6 +7,12 @@ every verified position) against the number of tokens in a ragged batch, and the
 served) against the number of requests. Dummy requests get a
 synthetic context of `context_len` tokens. Medians of repeats, warm-up excluded; the table is
 made monotone by CostModel.
+
+On the GPU it also measures what a context token costs (CostModel's context pricing): one
+plain step of CONTEXT_ROWS one-token rows at `context_len` and at `context_len` +
+CONTEXT_EXTRA; the difference over the extra tokens read is the slope (~0.036 us a token for
+the 8B shape's 147,456 bytes of K and V at ~4 TB/s). Not on the CPU: its torch attention's
+timing is noise at test sizes, and the tables it profiles serve tests.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from dspark.attention.base import AttentionMetadata, compute_token_to_req
 from dspark.spec.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
+
+CONTEXT_ROWS = 64  # rows of the context-slope probe (fewer where the KV cache is smaller)
+CONTEXT_EXTRA = 1024  # ... and the extra context of its second step (less past max length)
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -71,17 +80,16 @@ def profile_cost_model(
     spec = runner.spec
     k = spec.k if spec is not None else 0
     max_tokens = max_tokens or min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + k))
-    counts, times = [], []
+    counts, times, rows = [], [], []
     for n in default_token_counts(max_tokens):
         num_reqs = max(1, min(cfg.max_num_seqs, n))
-        ids, md = _dummy_batch(runner, n, num_reqs, context_len)
-
-        def target_step(ids=ids, md=md, n=n):
-            hidden, _ = runner.forward(ids, md, n)  # CUDA-graph replay where a bucket fits
-            runner.model.compute_logits(hidden)
-
         counts.append(n)
-        times.append(median_of_repeats(target_step, repeats, warmup))
+        rows.append(num_reqs)
+        times.append(median_of_repeats(_target_step(runner, n, num_reqs, context_len),
+                                       repeats, warmup))  # fmt: skip
+    slope, probe = 0.0, None
+    if runner.device.type == "cuda":
+        slope, probe = _context_slope(runner, context_len, repeats, warmup)
     draft_reqs, draft_times, greedy_times = [], [], []
     if spec is not None:
         for r in sorted({1, 4, 16, 64, 256, cfg.max_num_seqs}):
@@ -97,11 +105,42 @@ def profile_cost_model(
         model=cfg.model, dtype=str(runner.dtype).replace("torch.", ""),
         device_name=_device_name(runner.device), num_speculative_tokens=k,
         context_len=context_len, source="profiled", graph_sizes=graph_sizes,
+        context_probe=probe,
     )  # fmt: skip
     return CostModel.from_measurements(
         counts, times, draft_reqs, draft_times, 0.0, prov, graph_sizes=graph_sizes,
-        draft_greedy_times_ms=greedy_times,
-    )
+        draft_greedy_times_ms=greedy_times, verify_reqs=rows, context_ms_per_token=slope,
+        profile_context_len=context_len,
+    )  # fmt: skip
+
+
+def _target_step(runner, num_tokens: int, num_reqs: int, context_len: int):
+    """The target's forward + LM head over a dummy batch (CUDA-graph replay where a bucket
+    fits), as a callable."""
+    ids, md = _dummy_batch(runner, num_tokens, num_reqs, context_len)
+
+    def step():
+        hidden, _ = runner.forward(ids, md, num_tokens)
+        runner.model.compute_logits(hidden)
+
+    return step
+
+
+def _context_slope(runner, context_len: int, repeats: int, warmup: int):
+    """(ms per context token read, the probe's record) from two plain steps that differ in
+    their rows' context only. Rows and extra context shrink to fit the KV cache without two
+    rows sharing a block (a shared block would be read from cache, not memory) and the
+    model's length; (0, None) where no probe fits."""
+    bs, cfg = runner.block_size, runner.config
+    extra = min(CONTEXT_EXTRA, runner.max_blocks_per_seq * bs - context_len - 1)
+    rows = min(CONTEXT_ROWS, cfg.max_num_seqs,
+               (runner.num_blocks - 1) // -(-(context_len + extra + 1) // bs))  # fmt: skip
+    if extra < 128 or rows < 1:
+        return 0.0, None
+    ms = [median_of_repeats(_target_step(runner, rows, rows, c), repeats, warmup)
+          for c in (context_len, context_len + extra)]  # fmt: skip
+    slope = max(ms[1] - ms[0], 0.0) / (rows * extra)
+    return slope, {"rows": rows, "context_lens": [context_len, context_len + extra], "ms": ms}
 
 
 def _draft_step(runner, num_reqs: int, context_len: int, greedy: bool = False):

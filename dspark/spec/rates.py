@@ -5,7 +5,8 @@ simulator (sim.py) share.
 A decode-only step of R sampling requests either decodes plainly (R tokens for the forward of
 R tokens plus the plain steps' fixed term) or has every request verify l drafts of a mean
 prefix survival s (R * (1 + s_1 + ... + s_l) expected tokens for the forward of R * (1 + l)
-tokens, the drafter and the speculative fixed term: CostModel.step_time_lookup).
+tokens, the drafter and the speculative fixed term: CostModel.step_time_lookup). Both pay
+the step's context read (CostModel.set_step_context).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def decode_rates(cost: CostModel, survival, num_reqs: int,
         survival = np.asarray(survival, dtype=np.float64).reshape(-1).tolist()
     k = 0 if survival is None else len(survival)
     plain_ms, spec_ms = cost.decode_variable(num_reqs, k)
-    plain = num_reqs / max(fixed + plain_ms, 1e-6)
+    plain = num_reqs / max(fixed + cost.step_context_ms + plain_ms, 1e-6)  # (add_fixed's)
     # K floats (a decision every few steps): a loop over positions costs a few µs where the
     # same arithmetic through numpy's small-array calls cost ~100 (2-core development machine)
     best, tokens = float("-inf"), 1.0

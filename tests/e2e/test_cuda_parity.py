@@ -99,6 +99,14 @@ def test_speculative_identity_on_cuda(ckpt_dir, tmp_path, dtype):
     base = CudaLLM(path, dtype=dtype).generate(prompts, params)
     for policy in ("fixed", "lagged", "early_stop", "threshold"):
         spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": policy}
-        outs = CudaLLM(path, dtype=dtype, speculative_config=spec).generate(prompts, params)
+        llm = CudaLLM(path, dtype=dtype, speculative_config=spec)
+        outs = llm.generate(prompts, params)
+        if policy == "lagged":  # the start-up profile measured what a context token costs
+            cost = llm.engine.runner.spec.cost
+            probe = cost.provenance["context_probe"]
+            (c0, c1), (t0, t1) = probe["context_lens"], probe["ms"]
+            assert c1 - c0 >= 128 and probe["rows"] >= 1 and t0 > 0 and t1 > 0
+            assert cost.context_ms_per_token == max(t1 - t0, 0.0) / (probe["rows"] * (c1 - c0))
+            assert cost.verify_reqs.tolist() == [min(16, n) for n in cost.verify_tokens]
         for a, b in zip(base, outs):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, policy

@@ -34,3 +34,5 @@ def test_packed_scalars_give_the_sizes_the_planner_reads():
     assert host.prefill_tokens() == int(non_draft.sum()) - n
     assert int(non_draft.sum()) - n == (1 + 11 + 1 + 1 + 5) - n  # 14 prefill tokens beyond
     assert host.get("num_samples") == int(np.count_nonzero(samples)) == 4
+    # the rows' contexts before the step, summed: what the cost table prices the KV read by
+    assert host.get("context_tokens") == 6 + 0 + 9 + 2 + 0

@@ -402,3 +402,45 @@ def test_trimming_stops_where_trimmed_steps_are_not_faster(tiny_qwen, drafter, h
         assert spec.fixed_costs.trim_penalty_ms(spec.fixed_costs.get("spec", reqs), reqs) > 1.0
     else:
         assert sum(late) >= len(late) // 2
+
+
+def test_steps_are_observed_net_of_their_own_context_read(tiny_qwen, drafter):
+    """With a table that prices context, every plan prices its step's KV read from the
+    packed rows' contexts, and the step is observed net of that same read (its tag, taken at
+    launch): the learned terms hold no context error. The start-up profile on the CPU
+    records its rows (for context pricing) but measures no slope."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                  "adaptive_policy": "lagged"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    profiled = spec.cost
+    assert profiled.verify_reqs.tolist() == [
+        min(llm.engine.config.max_num_seqs, n) for n in profiled.verify_tokens]
+    assert not profiled.prices_context and "context_probe" in profiled.provenance
+    slope = 1e-3
+    table = CostModel.from_measurements([1, 64], [0.01, 0.05], [1, 64], [50.0, 50.0],
+                                        provenance={"source": "profiled"}, verify_reqs=[1, 64],
+                                        context_ms_per_token=slope, profile_context_len=4)
+    with pytest.warns(RuntimeWarning, match="flat"):
+        spec.set_cost_model(table, "profiled at start-up")
+    planned, seen = [], []
+    plan, observe = spec.plan, spec.observe_step_time
+
+    def plan_spy(host):
+        budget = plan(host)
+        planned.append((host.get("context_tokens"), spec.cost.step_context_ms))
+        return budget
+
+    def observe_spy(step_ms, num_tokens, num_reqs, tag):
+        if tag is not None:
+            kind, priced, _ = tag
+            seen.append(priced - (0.0 if kind == "plain" else spec.cost.draft_lookup(num_reqs)))
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    spec.plan, spec.observe_step_time = plan_spy, observe_spy
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert planned and all(ms == pytest.approx(slope * c, abs=1e-15) for c, ms in planned)
+    assert len(seen) >= 5 and min(seen) > 0  # every observed step read a context
+    planned_ms = [ms for _, ms in planned]
+    assert all(min(abs(s - p) for p in planned_ms) < 1e-12 for s in seen)
