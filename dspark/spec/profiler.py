@@ -259,6 +259,9 @@ def install_cost_model(runner) -> None:
     if runner.world is not None:  # rank 0's table, so that every rank plans alike
         cost = CostModel.from_dict(runner.world.broadcast_object(
             cost.to_dict() if runner.tp.rank == 0 else None))  # fmt: skip
+    if cost.prices_context:
+        status += (f"; context read priced at {cost.context_ms_per_token * 1e6:.1f} ns a token "
+                   f"(profiled rows: {cost.profile_context_len:g} tokens)")
     problem = cost.describe_problem()
     if problem:
         status = f"UNUSABLE ({problem}): every draft is verified"
