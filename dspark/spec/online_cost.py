@@ -158,10 +158,23 @@ class FixedCosts:
         return {kind: {bucket_label(b): v for b, v in sorted(terms.items())}
                 for kind, terms in self._term.items() if terms}  # fmt: skip
 
+    def speculative(self, num_reqs: int) -> float | None:
+        """The speculative steps' term at this batch size: untrimmed steps' where this bucket
+        has MIN_SAMPLES of them, else its own fresh trimmed steps' where it has MIN_SAMPLES
+        of those (every step of a level may trim: H200, 8B shape, SYNTHETIC, c = 128, 247
+        trimmed steps, 1.1 ms above the table, while the term came from a few untrimmed steps
+        of 16-63 requests, 0.2 ms), else the nearest bucket's (`get`)."""
+        b = size_bucket(num_reqs)
+        own, trims = self._recent["spec"].get(b), self._recent["trim"].get(b)
+        if ((own is None or len(own) < MIN_SAMPLES) and trims is not None
+                and len(trims) >= MIN_SAMPLES and not self._stale_trims(b)):  # fmt: skip
+            return self._term["trim"][b]
+        return self.get("spec", num_reqs)
+
     def apply(self, cost, num_reqs: int) -> bool:
         """Set the table's fixed term to the speculative steps' at this batch size (once
-        measured). Returns True when it moved by more than 0.05 ms."""
-        spec = self.get("spec", num_reqs)
+        measured: `speculative`). Returns True when it moved by more than 0.05 ms."""
+        spec = self.speculative(num_reqs)
         if spec is None or abs(spec - cost.fixed_overhead_ms) <= 1e-12:
             return False
         moved = abs(spec - cost.fixed_overhead_ms) > 0.05

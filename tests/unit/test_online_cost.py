@@ -444,3 +444,28 @@ def test_steps_are_observed_net_of_their_own_context_read(tiny_qwen, drafter):
     assert len(seen) >= 5 and min(seen) > 0  # every observed step read a context
     planned_ms = [ms for _, ms in planned]
     assert all(min(abs(s - p) for p in planned_ms) < 1e-12 for s in seen)
+
+
+def test_a_bucket_that_only_trims_prices_speculative_steps_by_its_trims():
+    """Where every step of a batch size trims, no untrimmed step measures the speculative
+    term there; its own trimmed steps' term prices speculative steps rather than a few
+    untrimmed steps of other batch sizes. Once MIN_SAMPLES untrimmed steps are measured at
+    that size, theirs does."""
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    fc = FixedCosts()
+    for _ in range(WARMUP_STEPS + 3):
+        fc.observe("spec", 0.2, 20)  # a few untrimmed steps at 16-31 requests
+    cost = CostModel.from_measurements([1, 64], [1.0, 3.0])
+    for _ in range(MIN_SAMPLES - 1):
+        fc.observe("trim", 1.1, 128)
+    assert fc.speculative(128) == pytest.approx(0.2)  # too few trims yet: the neighbour's
+    fc.observe("trim", 1.1, 128)
+    assert fc.speculative(128) == pytest.approx(1.1)
+    assert fc.apply(cost, 128) and cost.fixed_overhead_ms == pytest.approx(1.1)
+    assert fc.trim_penalty_ms(cost.fixed_overhead_ms, 128) == 0.0
+    assert fc.speculative(20) == pytest.approx(0.2)  # (another bucket keeps its own)
+    for _ in range(MIN_SAMPLES):
+        fc.observe("spec", 0.5, 128)
+    assert fc.speculative(128) == pytest.approx(0.5)
+    assert fc.trim_penalty_ms(0.5, 128) == pytest.approx(0.6)
