@@ -43,7 +43,6 @@ online fixed terms then carried per batch-size bucket, with opposite signs per k
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+from dspark.spec import cost_table_io
+
 _MIN_STEP_MS = 1e-6
 
 
@@ -71,6 +71,16 @@ def _monotone_table(xs: Sequence[float], ys: Sequence[float], what: str):
     uy = np.full(ux.shape, -np.inf)
     np.maximum.at(uy, inv, y)
     return ux, np.maximum.accumulate(uy) if uy.size else uy
+
+
+def _companion(xs, values, table: str, xs_name: str, name: str) -> np.ndarray:
+    """`values` (one per point of xs, or none) in the order of _monotone_table's points (a
+    running max, the largest of duplicates)."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    n = np.asarray(xs).size
+    if v.size and v.size != n:
+        raise ValueError(f"{table}: {n} {xs_name} but {v.size} {name}")
+    return _monotone_table(xs, v, table)[1] if v.size else v
 
 
 def _interp(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
@@ -109,20 +119,13 @@ class CostModel:
     greedy_drafts: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
-        reqs = np.asarray(self.verify_reqs, dtype=np.float64).reshape(-1)
-        if reqs.size and reqs.size != np.asarray(self.verify_tokens).size:
-            raise ValueError(f"verify table: {np.asarray(self.verify_tokens).size} token "
-                             f"counts but {reqs.size} request counts")
-        self.verify_reqs = (_monotone_table(self.verify_tokens, reqs, "verify rows")[1]
-                            if reqs.size else reqs)  # same token-count order
+        # optional companions of a table's points, in the points' sorted order
+        self.verify_reqs = _companion(self.verify_tokens, self.verify_reqs,
+                                      "verify table", "token counts", "request counts")
         self.verify_tokens, self.verify_ms = _monotone_table(
             self.verify_tokens, self.verify_ms, "verify table")
-        greedy = np.asarray(self.draft_greedy_ms, dtype=np.float64).reshape(-1)
-        if greedy.size and greedy.size != np.asarray(self.draft_reqs).size:
-            raise ValueError(f"draft table: {np.asarray(self.draft_reqs).size} request counts "
-                             f"but {greedy.size} greedy times")
-        self.draft_greedy_ms = (_monotone_table(self.draft_reqs, greedy, "greedy drafts")[1]
-                                if greedy.size else greedy)  # same request-count order
+        self.draft_greedy_ms = _companion(self.draft_reqs, self.draft_greedy_ms,
+                                          "draft table", "request counts", "greedy times")
         self.draft_reqs, self.draft_ms = _monotone_table(
             self.draft_reqs, self.draft_ms, "draft table")
         self._price_context()
@@ -387,49 +390,16 @@ class CostModel:
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "kind": "dspark_cost_model",
-            "fixed_overhead_ms": self.fixed_overhead_ms,
-            "verify": {"num_tokens": self.verify_tokens.tolist(),
-                       "ms": self.verify_ms.tolist(), "num_reqs": self.verify_reqs.tolist()},
-            "context": {"ms_per_token": self.context_ms_per_token,
-                        "profile_context_len": self.profile_context_len},
-            "draft": {"num_reqs": self.draft_reqs.tolist(), "ms": self.draft_ms.tolist(),
-                      "greedy_ms": self.draft_greedy_ms.tolist()},
-            "graph_sizes": list(self.graph_sizes) if self.graph_sizes else None,
-            "provenance": self.provenance,
-        }
+        return cost_table_io.to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
-        version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"unsupported cost model schema_version {version!r} "
-                             f"(expected {SCHEMA_VERSION})")
-        return cls(
-            verify_tokens=np.asarray(d["verify"]["num_tokens"]),
-            verify_ms=np.asarray(d["verify"]["ms"]),
-            draft_reqs=np.asarray(d.get("draft", {}).get("num_reqs", [])),
-            draft_ms=np.asarray(d.get("draft", {}).get("ms", [])),
-            draft_greedy_ms=np.asarray(d.get("draft", {}).get("greedy_ms", [])),
-            fixed_overhead_ms=d.get("fixed_overhead_ms", 0.0),
-            graph_sizes=tuple(d["graph_sizes"]) if d.get("graph_sizes") else None,
-            provenance=d.get("provenance", {}),
-            verify_reqs=np.asarray(d["verify"].get("num_reqs", [])),  # (older tables: none)
-            context_ms_per_token=d.get("context", {}).get("ms_per_token", 0.0),
-            profile_context_len=d.get("context", {}).get("profile_context_len", 0.0),
-        )
+        return cls(**cost_table_io.fields_from_dict(d))
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Atomic write (temp file + rename)."""
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        cost_table_io.write_json(self.to_dict(), path)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> CostModel:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
-
+        return cls.from_dict(cost_table_io.read_json(path))
