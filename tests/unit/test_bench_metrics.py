@@ -281,8 +281,8 @@ def test_scheduler_overhead_per_level_from_an_adaptive_servers_counters():
 
 def test_the_steps_behind_the_learned_terms_per_level():
     """An adaptive server's observed steps (count, periods, residuals beyond the cost table)
-    reach /metrics as counters by kind and batch-size range; a level's view is their growth
-    per step."""
+    reach /metrics by kind and batch-size range (counters; the residuals' sum a gauge, as it
+    may fall); a level's view is their growth per step."""
     from dspark.bench.spec_stats import counters_from_text, observed_steps
     from dspark.server.metrics import ServerMetrics
 
@@ -301,6 +301,10 @@ def test_the_steps_behind_the_learned_terms_per_level():
         "128-255": {"steps": 20, "step_ms": 5.0, "residual_ms": 3.0},
         "4-7": {"steps": 1, "step_ms": 2.0, "residual_ms": 1.5}}}
     assert observed_steps(after, after) is None and observed_steps(None, after) is None
+    # a table that overprices steps: residuals below zero, their sum falling (a gauge)
+    later = snap([30, 140.0, 85.0], [4, 5.0, 2.5], [14, 86.0, -15.0])
+    assert observed_steps(after, later) == {"plain": {
+        "128-255": {"steps": 10, "step_ms": 8.0, "residual_ms": -2.0}}}
 
 
 # ----------------------------------------------------------------------------- datasets
