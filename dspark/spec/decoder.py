@@ -368,9 +368,8 @@ class SpecDecoder:
         """What the online cost model needs of the step just launched, read at launch (with
         async scheduling it is observed after the next one is planned): its kind, the
         price of its drafter and context read, and its sampling mode (greedy). None: not
-        observed (no online
-        correction, prefill chunks, or a probe's drafts verified while drafting is off:
-        online_cost.py)."""
+        observed (no online correction, prefill chunks, or a probe's drafts verified while
+        drafting is off: online_cost.py)."""
         if not self._online_cost or self._step_other > 0:
             return None
         context_ms = self.cost.step_context_ms

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 # rows of the context-slope probe (fewer where the KV cache or max_num_seqs is smaller): the
 # load where the context's price decides; 64 rows streamed KV slower (H200, 8B shape: 54.5 ns
-# a token against the ~36 that steps of 128-256 rows over 640 tokens paid, twenty-third session)
+# a token against the ~36 that steps of 128-256 rows over 640 tokens paid, BENCHMARKS.md,
+# twenty-fourth session)
 CONTEXT_ROWS = 256
 CONTEXT_EXTRA = 1024  # ... and the extra context of its second step (less past max length)
 
@@ -264,7 +265,7 @@ def install_cost_model(runner) -> None:
             cost.to_dict() if runner.tp.rank == 0 else None))  # fmt: skip
     if cost.prices_context:
         status += (f"; context read priced at {cost.context_ms_per_token * 1e6:.1f} ns a token "
-                   f"(profiled rows: {cost.profile_context_len:g} tokens)")
+                   f"(the table's rows: {cost.profile_context_len:g}-token contexts)")
     problem = cost.describe_problem()
     if problem:
         status = f"UNUSABLE ({problem}): every draft is verified"
