@@ -111,6 +111,9 @@ class CostModel:
     context_ms_per_token: float = 0.0  # every layer's K and V of one context token, read
     profile_context_len: float = 0.0  # the context of every profiled row
     step_context_ms: float = field(default=0.0, init=False, compare=False)  # slope * C
+    # the verify table at zero context (_price_context; verify_ms where context is not priced)
+    _verify_priced: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
+                                       repr=False, compare=False)  # fmt: skip
     # host lookup tables of the per-step planner (dense over integer token counts)
     _verify_dense: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
                                       repr=False, compare=False)  # fmt: skip
