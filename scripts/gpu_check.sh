@@ -28,6 +28,8 @@
 #           (default 64,128; DIAG_ARMS, default nospec,adaptive; DIAG_KERNELS: kernel tables,
 #           e.g. draft@128,prefill@64; DIAG_ARGS=--serving: CONC requests kept in flight, as
 #           bench serve drives a server) -> $OUT/diag_adaptive.*
+#   cpumap  how fast each CPU runs Python, alone and in pairs (scripts/cpu_speed_map.py; ~1 min)
+#           -> $OUT/cpumap.log
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min), also
 #           with uvicorn on uvloop + httptools (from .whl) -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
@@ -167,6 +169,9 @@ if has diag; then
     --out "$OUT" ${DIAG_ARGS:-} 2>&1 \
     | grep -v "^SYNTHETIC" > "$OUT/diag.log"
   cat "$OUT/diag_adaptive.txt" 2>/dev/null || tail -30 "$OUT/diag.log"
+fi
+if has cpumap; then
+  python3 scripts/cpu_speed_map.py --rounds ${CPUMAP_ROUNDS:-3} 2>&1 | tee "$OUT/cpumap.log"
 fi
 if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_host_ceiling.py)
   # uvloop + httptools (from .whl) only on this stage's path, so no other stage serves on them

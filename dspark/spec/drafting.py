@@ -83,6 +83,11 @@ _PROBE_BACKOFF_MAX = 8
 # cheaper than a plain server ran them: H200, ninth session)
 _PLAIN_PROBE_STEPS = 12
 _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
+# drafting turns off only on a plain term measured within this many observed steps at the
+# batch size (else a plain probe first: _plain_term_stale), at most one such probe per
+# bucket in _PLAIN_RECENT plans
+_PLAIN_FRESH = 64
+_PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # drafting turns on / off after this many consecutive decisions against its state: a server
 # passes through batch sizes for a step or two (a request finished, the next not yet arrived),
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
@@ -221,7 +226,12 @@ class DraftingDecision:
         if decide:  # on decode steps' economics (prefill chunks come and go)
             routine = not self._forced
             verdict = self._pays(cost, fixed, num_sampling)
-            if verdict == self.pays:
+            counted = not (not verdict and self.pays and online
+                           and self._plain_term_stale(fixed, num_sampling, prefill_tokens))
+            if not counted:  # measure plain steps now, then decide again on both terms
+                self._plain_probe_left = _PLAIN_PROBE_STEPS
+                self._plain_probed[(fixed.greedy, size_bucket(num_sampling))] = self._plans
+            elif verdict == self.pays:
                 self._against = 0
             else:
                 self._against += 1
@@ -231,7 +241,7 @@ class DraftingDecision:
                     self.pays, self._against = verdict, 0
                     if self._numbers is not None:
                         self._log_flip(verdict, *self._numbers)
-            self._decided = self._decided or self._numbers is not None
+            self._decided = self._decided or (counted and self._numbers is not None)
             self._since_decision, self._decided_reqs = 0, num_reqs
             self._forced = False
             self._decide_spacing = (min(2 * self._decide_spacing, _DECIDE_BACKOFF_MAX)
@@ -290,6 +300,25 @@ class DraftingDecision:
         if self.pays and self._decided:
             return spec * (1.0 + g) >= plain
         return spec > plain * (1.0 + g)
+
+    def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
+                          prefill_tokens: int) -> bool:  # fmt: skip
+        """A verdict for plain decoding while drafting rests on a plain steps' term not
+        measured at this batch size within the last _PLAIN_FRESH observed steps (or never),
+        and a plain probe can measure it now (a decode step; this bucket not probed in the
+        last _PLAIN_RECENT plans, so a probe whose steps went unobserved does not repeat).
+        The two terms are wall-clock medians, and a host-bound engine's host speed drifts:
+        on the H200's host the same Python work took 0.9-2.2x as long from one second or
+        CPU to the next (scripts/cpu_speed_map.py), so a speculative term measured in a slow
+        spell against a plain term from a fast one turned drafting off where it won (demo
+        pair, c = 4: spec 0.561 ms against plain 0.292 ms at the flip, their level means
+        0.20 / 0.19; 434 plain steps of 2,370, each ~20% less productive)."""
+        if not self.plain_probes or prefill_tokens > 0 or num_sampling == 0:
+            return False
+        if fixed.age("plain", num_sampling) <= _PLAIN_FRESH:
+            return False
+        last = self._plain_probed.get((fixed.greedy, size_bucket(num_sampling)))
+        return last is None or self._plans - last >= _PLAIN_RECENT
 
     def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
         """While drafting pays: plain steps at this batch size not measured lately. Only on

@@ -230,3 +230,53 @@ def test_one_request_more_or_less_does_not_force_a_decision():
     assert [plan(n) for n in (3, 4, 3, 4)] == [False] * 4  # +-1 request: routine cadence only
     assert plan(2)  # 4 -> 2 (decided at 4): moved by half, two requests
     assert plan(40) and not plan(39) and plan(29)  # (40 -> 29: a quarter and 11 requests)
+
+
+def _slow_spell(plain_age: int):
+    """A drafting engine at 4 requests whose speculative steps' term jumps from 0.2 to 3 ms
+    (the host's slow spell: every step's wall time grows), its plain term measured at 0.2 ms
+    `plain_age` observed steps ago. Returns (decision, fixed terms, table, step) where
+    step(decide) runs one plan."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import WARMUP_STEPS, FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.2,
+                              draft_base_ms=0.2, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
+    d._survival[True] = d.survival = np.array([0.5, 0.25, 0.12, 0.06])
+    for _ in range(WARMUP_STEPS + 15):
+        fixed.observe("plain", 0.2, 4)
+    for _ in range(plain_age):
+        fixed.observe("spec", 0.2, 4)
+
+    def step(decide: bool) -> bool:  # one plan (the decoder applies the spec term first)
+        cost.fixed_overhead_ms = fixed.speculative(4)
+        return d.after_plan(decide, cost, fixed, True, 4, 4, 0)[0]
+
+    assert step(True) and d.pays  # drafting wins: 4.8 against 3.2 tok/ms
+    for _ in range(15):  # the slow spell: a window of speculative steps at 3 ms
+        fixed.observe("spec", 3.0, 4)
+    return d, fixed, step
+
+
+def test_drafting_turns_off_only_on_a_plain_term_of_the_same_moment():
+    """Both fixed terms are wall-clock medians and a host-bound engine's host speed drifts
+    (H200 host: 0.9-2.2x for the same work). A verdict for plain decoding that rests on a
+    plain term measured long ago runs a plain probe first, then decides on both terms as
+    measured now: the slow spell slowed plain steps too, so drafting stays on. A plain term
+    measured lately is trusted: two such verdicts turn drafting off, as before."""
+    d, fixed, step = _slow_spell(plain_age=200)  # plain measured 200 steps ago
+    assert step(True) is False and d.pays  # the verdict went to a plain probe, not a flip
+    drafted = []
+    for _ in range(12):  # the probe's steps, observed in the same slow spell
+        fixed.observe("plain", 3.0, 4)
+        drafted.append(step(d.due(4)))
+    assert drafted[-1] is True and d.pays  # decided again on today's terms: drafting wins
+    assert not any(drafted[:-1])  # (the probe's own steps drafted nothing)
+    assert fixed.age("plain", 4) <= 2
+
+    d, fixed, step = _slow_spell(plain_age=10)  # plain measured 10 steps ago: trusted
+    assert step(True) is True and d.pays  # one verdict against: stands (_FLIP_AFTER)
+    assert step(True) is False and not d.pays  # two: off, with no probe in between
