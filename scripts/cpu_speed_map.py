@@ -75,7 +75,8 @@ def main() -> int:
     print("cpu  siblings   median      min      max")
     for c in cpus:
         t = alone[c]
-        print(f"{c:3d}  {siblings(c):>8s}  {statistics.median(t):7.1f}  {min(t):7.1f}  {max(t):7.1f}")
+        mid = statistics.median(t)
+        print(f"{c:3d}  {siblings(c):>8s}  {mid:7.1f}  {min(t):7.1f}  {max(t):7.1f}")
     med = [statistics.median(alone[c]) for c in cpus]
     print(f"spread of CPU medians: {min(med):.1f}-{max(med):.1f} ms ({max(med) / min(med):.2f}x)")
     base = cpus[0]
