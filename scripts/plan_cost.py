@@ -63,7 +63,7 @@ def measure(num_reqs: int, repeats: int) -> str:
     total = int(caps.sum())
     settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
     plan = per_call_us(lambda: sd.plan(host), repeats)  # the engine's (plans reused)
-    sd.planner.reuse_clear_plans = sd.planner.reuse_trimmed_plans = 1
+    sd.planner.reuse_clear_plans = sd.planner.reuse_trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
     parts = {
         "plan": plan,

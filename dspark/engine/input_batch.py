@@ -90,6 +90,9 @@ META_FIELDS = (
     "num_draft_fills", "context_tokens",
 )  # fmt: skip
 _META = {name: i for i, name in enumerate(META_FIELDS)}
+# what a plan reads of every step (HostStep.plan_scalars)
+_PLAN_READS = tuple(_META[k] for k in ("num_reqs", "num_tokens", "num_draft_fills",
+                                       "num_samples", "all_greedy", "context_tokens"))
 
 
 @dataclass
@@ -129,6 +132,12 @@ class HostStep:
     def prefill_tokens(self) -> int:
         """Stream tokens beyond one per row and the draft fills: what prefill chunks add."""
         return self.get("num_tokens") - self.get("num_draft_fills") - self.get("num_reqs")
+
+    def plan_scalars(self) -> tuple[int, int, int, int, bool, int]:
+        """(requests, draft fills, prefill tokens, sampling rows, all greedy, context tokens):
+        what the planner reads of every step, in one call."""
+        s, (r, t, f, n, g, c) = self._scalars, _PLAN_READS
+        return s[r], s[f], s[t] - s[f] - s[r], s[n], bool(s[g]), s[c]
 
     def forward_tokens(self, budget: int | None) -> int:
         """Tokens the target forward runs on: the packed stream less the draft slots a

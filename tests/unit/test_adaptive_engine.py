@@ -206,14 +206,14 @@ def test_a_probe_that_covers_every_row_is_an_ordinary_drafting_step(tiny_qwen, d
         prompts = [{"prompt_token_ids": list(range(5, 9 + i))} for i in range(num_reqs)]
         llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256)
         spec, seen = llm.engine.runner.spec, []
-        plan = spec._plan
+        after = spec._after_budget  # (every lagged plan's last word, standing ones too)
 
-        def recording(host, n, total, plan=plan, spec=spec, seen=seen):
-            budget = plan(host, n, total)
+        def recording(budget, total, decide, n, *rest, after=after, spec=spec, seen=seen):
+            budget = after(budget, total, decide, n, *rest)
             seen.append((n, spec.drafting.pays, spec.draft_enabled, spec.probing))
             return budget
 
-        spec._plan = recording
+        spec._after_budget = recording
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         ref = [o.outputs[0].token_ids for o in LLM(tiny_qwen, device="cpu").generate(
             prompts, params)]  # fmt: skip

@@ -1,0 +1,177 @@
+"""The host's half of a speculative step (SpecDecoder's mixin): the lagged policy's budget
+from stale host confidences, the drafting decision's cadence, every step's kind, and what the
+online cost model observes of the step once it ran.
+
+A plan the cost bound settles (verify every draft, whatever the confidences: the common step
+at low load) stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, draft
+fills, sampling mode; no prefill chunk) that do not re-run the drafting decision: those verify
+every draft without re-reading the learned fixed term or re-checking the bound. On small
+host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
+H200 host's serving loop, twenty-fifth session), most of it such steps. A standing plan reads
+terms at most SETTLED_PLANS - 1 plans old (the fixed term is a median of 15 steps and moves
+little in that time); a decision step re-reads everything. Lossless either way: the budget
+only says how many drafts are verified.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dspark.spec.drafting import PROBE_ROWS
+from dspark.spec.planner import REUSE_CLEAR_PLANS
+from dspark.spec.rates import decode_rate
+from dspark.spec.tracing import step_kind
+
+SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of the guard stands
+
+
+class StepPlanning:
+    """Mixin of SpecDecoder: plan (before launch), step_tag / take_prediction (at launch),
+    observe_step_time (after commit), and the scheduler-overhead accounting."""
+
+    settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
+    _settled_shape: tuple | None = None  # (requests, draft fills, greedy) of a settled plan
+    _settled_left = 0  # plans it still stands for (set_cost_model: 0)
+
+    def plan(self, host) -> int | None:
+        """The lagged policy's total draft budget for a packed step (HostStep), from stale
+        host confidences (no sync); every policy's step is counted by kind here. The step's
+        sizes come from its packed scalars (every step, every policy: no array reductions)."""
+        t0 = time.perf_counter()  # (the lagged policy's planning: all of this method's work)
+        self._prediction = None  # (set by a decision step that verifies drafts)
+        n, total, other, n_sampling, greedy, context = host.plan_scalars()
+        self._step_reqs, self._step_other = n, other
+        lagged = self._policy == "lagged"
+        decide = lagged and self.drafting.due(n)  # (every few steps, or the batch size moved)
+        standing = (lagged and not decide and other == 0 and self._settled_left > 0
+                    and self._settled_shape == (n, total, greedy))  # fmt: skip
+        if self.cost is not None:
+            self.cost.set_step_context(context)  # (its KV read, priced: step_tag reads it)
+            if not standing:
+                self._apply_terms(n, greedy)
+        budget = None
+        if standing:
+            self._settled_left -= 1
+            budget = self._after_budget(total, total, False, n, n_sampling, 0)
+            self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
+        elif lagged:
+            searches = self.planner.searches
+            budget = self._plan(host, n, total, other, n_sampling, decide, greedy)
+            part = ("decision" if decide
+                    else "search" if self.planner.searches > searches else "other")  # fmt: skip
+            self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
+        verifies = budget != 0 and total > 0
+        self.last_kind = step_kind(other, verifies, self.draft_enabled)
+        self.step_counts[self.last_kind] += 1
+        return budget
+
+    def _apply_terms(self, n: int, greedy: bool) -> None:
+        """Price the drafter this step runs (argmax only when every row is greedy: about half
+        the sampled drafter's cost at 8B scale) and the learned fixed term at this batch size;
+        drop the planner's device tables (and, when the drafter's price changed, its standing
+        plans) where either moved."""
+        priced = self.cost.use_greedy_drafts(greedy)
+        self.fixed_costs = self._fixed_by_mode[greedy]  # (and the fixed terms of the mode)
+        moved = self._online_cost and self.fixed_costs.apply(self.cost, n)
+        if abs(self.cost.step_context_ms - self._tables_context_ms) > 0.05:
+            self._tables_context_ms, moved = self.cost.step_context_ms, True
+        if (priced or moved) and self.planner is not None:
+            # device tables embed all three; a standing plan (a few plans at most) outlives
+            # the fixed term's small moves, not a change of the drafter's price
+            self.planner.invalidate_tables(keep_plans=not priced)
+
+    def _plan(self, host, n: int, total: int, other: int, n_sampling: int, decide: bool,
+              greedy: bool) -> int:  # fmt: skip
+        self._settled_left = 0
+        budget = 0
+        if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
+            budget = total  # what the full plan returns (a penalty only helps the bound)
+            self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
+        elif total > 0:
+            rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
+            caps, slots = rows[1], rows[4]
+            # a decode step's trimmed plan pays what trimmed steps were measured to cost
+            # beyond untrimmed ones (online_cost.py; 0 until learned), in steps of 0.02 ms (a
+            # standing plan's group holds it: the window's median moves on most steps)
+            penalty = 0.0 if other else round(50.0 * self.fixed_costs.trim_penalty_ms(
+                self.cost.fixed_overhead_ms, n, self.eager_trims)) / 50.0  # fmt: skip
+            # with prefill chunks, a draft's marginal time is worth what decoding would earn
+            rate = None
+            if other > 0:
+                survival = self.drafting.estimate(self.fixed_costs.greedy)
+                rate = decode_rate(self.cost, survival, n_sampling,
+                                   self.fixed_costs.get("plain", n_sampling))
+            # confidences are read only when needed (at low load, a bound settles the plan);
+            # their survivals are corrected upwards by the drafts accepted against those
+            # predicted. Not downwards: a smaller budget verifies fewer drafts to measure the
+            # ratio on (a zero budget, none), so a low ratio could never recover
+            ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
+            # (a decision step reads them anyway: once, for both)
+            stale = self._stale(slots) if decide else (lambda: self._stale(slots))
+            budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
+                                           total=total)  # fmt: skip
+            if decide:  # the survival estimate feeds the decision only; its prediction is
+                # checked against the drafts this step accepts (check_prediction)
+                rows_drafting = np.flatnonzero(caps)
+                self._prediction = self.drafting.survey(
+                    rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
+        return self._after_budget(budget, total, decide, n, n_sampling, other)
+
+    def _after_budget(self, budget: int, total: int, decide: bool, n: int, n_sampling: int,
+                      other: int) -> int:  # fmt: skip
+        """Record the step's budget and ask the drafting decision whether it drafts."""
+        self.last_budget = budget
+        self._step_trimmed = 0 <= budget < total  # (step_tag: a trimmed step's own term)
+        self.draft_enabled, probe = self.drafting.after_plan(
+            decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
+        # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
+        self.probing = probe and n > PROBE_ROWS
+        return budget
+
+    def _stale(self, slots: np.ndarray) -> np.ndarray:
+        """The rows' confidences from the last device->host copy that has landed (never
+        waiting for the device)."""
+        return self.host_confs.read()[slots]
+
+    def step_tag(self) -> tuple[str, float, bool] | None:
+        """What the online cost model needs of the step just launched, read at launch (with
+        async scheduling it is observed after the next one is planned): its kind, the
+        price of its drafter and context read, and its sampling mode (greedy). None: not
+        observed (no online correction, prefill chunks, or a probe's drafts verified while
+        drafting is off: online_cost.py)."""
+        if not self._online_cost or self._step_other > 0:
+            return None
+        context_ms = self.cost.step_context_ms
+        if not self.draft_enabled:
+            return ("plain", context_ms, self.fixed_costs.greedy) if self._no_drafts else None
+        kind = ("trim" if self._step_trimmed
+                else "eager" if self.graph_steps and not self.ran_as_graph else "spec")  # fmt: skip
+        return kind, self.cost.draft_lookup(self._step_reqs) + context_ms, self.fixed_costs.greedy
+
+    def take_prediction(self) -> tuple | None:
+        """Read at launch: the step just planned decided on its rows' confidences; what they
+        predicted, for DraftingDecision.check_prediction once the step is committed (None:
+        not a decision step with drafts)."""
+        prediction, self._prediction = self._prediction, None
+        return prediction
+
+    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
+                          tag: tuple[str, float, bool] | None) -> None:
+        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
+        if tag is None or num_reqs == 0:
+            return
+        kind, priced_ms, greedy = tag  # (the drafter's and the context read's price)
+        variable = self.cost.verify_lookup(num_tokens) + priced_ms  # dense table: every step
+        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
+
+    def count_allocation_ms(self, ms: float) -> None:
+        """Allocation time measured elsewhere (inside a whole-step graph)."""
+        self.overhead.add_alloc(float(ms))
+
+    def scheduler_overhead_ms(self) -> tuple[float, float]:
+        """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
+        for them, so call this from reports, not from the step (/metrics reads
+        `overhead.snapshot()`, which does not wait)."""
+        return self.overhead.totals()
