@@ -45,6 +45,24 @@ def demo_spec(policy: str, always_draft: bool = True) -> dict | None:
     return spec
 
 
+def settling_table(path: str) -> str:
+    """A copy of the cost table at `path` in which verification is nearly free (0.3 ms +
+    0.4 us a token) and the drafter costs 0.15 ms: with a stub device of ~1.6 ms a step the
+    learned fixed term makes the planner's bound settle every decode plan, as the demo pair's
+    profiled table does on the H200 at low load. Returns the copy's path."""
+    import json
+    import tempfile
+
+    with open(path) as f:
+        d = json.load(f)
+    d["verify"]["ms"] = [0.3 + 0.0004 * n for n in d["verify"]["num_tokens"]]
+    d["draft"]["ms"] = [0.15] * len(d["draft"]["ms"])
+    fd, out = tempfile.mkstemp(suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(d, f)
+    return out
+
+
 def hold_plain(spec) -> None:
     """An adaptive engine whose drafting decision always says plain decoding, with no probes:
     every decode step is the adaptive engine's plain step."""
@@ -141,14 +159,23 @@ def main() -> int:
     ap.add_argument("--plain", action="store_true",
                     help="lagged: its drafting decision always says plain decoding and no "
                          "probe runs (the adaptive engine's plain steps)")
+    ap.add_argument("--settling-table", action="store_true",
+                    help="lagged: a table whose bound settles every decode plan (settling_table;"
+                         " use with --device-ms 1.6): planning as at low load on the H200")
+    ap.add_argument("--settled-plans", type=int, default=None,
+                    help="lagged: plans a bound-settled plan stands for (1: none stands)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="cProfile the timed steps into FILE (pstats; the timers then read high)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256,
-              speculative_config=demo_spec(args.policy, always_draft=not args.plain))
+    spec_config = demo_spec(args.policy, always_draft=not args.plain)
+    if args.settling_table and spec_config is not None:
+        spec_config["cost_table_path"] = settling_table(TABLE)
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=256, speculative_config=spec_config)
     runner = llm.engine.runner
+    if args.settled_plans is not None and runner.spec is not None:
+        runner.spec.settled_plans = args.settled_plans
     if args.plain:
         hold_plain(runner.spec)
     sg = stub_device_work(runner, device_ms=args.device_ms)
@@ -171,6 +198,10 @@ def main() -> int:
         llm.engine.add_request(f"r{i}", p, params)
     prefill_all(llm.engine, sg)  # not timed
     timers.reset()
+    overhead = runner.spec.overhead if runner.spec is not None else None
+    if overhead is not None:  # (planning by part over the timed steps only)
+        overhead.plan_ms, overhead.plans = dict.fromkeys(overhead.plans, 0.0), dict.fromkeys(
+            overhead.plans, 0)  # fmt: skip
     prof = None
     if args.profile:
         import cProfile
@@ -192,6 +223,10 @@ def main() -> int:
             f"{', streaming' if args.stream else ''}"
             f"{' deltas' if args.deltas else ''}, "
             f"concurrency {args.concurrency}: {steps} decode steps, ")
+    if overhead is not None and sum(overhead.plans.values()):  # (the summary stays last)
+        print("planning by part (plans x us): " + ", ".join(
+            f"{k} {n} x {overhead.plan_ms[k] / n * 1e3:.1f}"
+            for k, n in overhead.plans.items() if n))  # fmt: skip
     if args.device_ms:  # (the breakdown's parts include the device wait where they span it)
         print(head + f"step period {per_step:.0f} us with a {args.device_ms:g} ms device: "
               f"{per_step - args.device_ms * 1e3:.0f} us of host work not overlapped")
