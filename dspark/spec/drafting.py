@@ -95,7 +95,12 @@ _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 _FLIP_AFTER = 2
 _FLIP_LOG_EVERY_S = 1.0  # drafting turned on / off: logged at INFO at most this often
 _ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
-_ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used
+_ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used,
+# or this many observed decision steps: the decayed sum never exceeds 10x one step's
+# prediction, which at one request of low survival is under 8 (demo pair, H200, c = 1: 0.78
+# drafts predicted a step, 1.13 accepted, and the ratio stayed at 1 while the decision turned
+# drafting off on the underestimate where fixed K beat no speculation by 7%)
+_ACCEPT_MIN_STEPS = 16
 _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
 FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py collects these)
 
@@ -112,6 +117,7 @@ class DraftingDecision:
         self._survival: dict[bool, np.ndarray] = {}  # per sampling mode (all greedy: True)
         # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
         self._accepted = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        self._accept_steps = {True: 0, False: 0}  # decision steps observed per mode
         self.pays = True
         self._against = 0  # consecutive decisions against the current state (see _FLIP_AFTER)
         self._decided = False  # a verdict on real numbers has set the state
@@ -183,6 +189,7 @@ class DraftingDecision:
         sums = self._accepted[greedy]
         sums[0] = _ACCEPT_DECAY * sums[0] + accepted
         sums[1] = _ACCEPT_DECAY * sums[1] + predicted
+        self._accept_steps[greedy] += 1
 
     def check_prediction(self, prediction: tuple, emitted: list, verified: list) -> None:
         """A committed step's accepted drafts against the number its rows' confidences
@@ -200,7 +207,8 @@ class DraftingDecision:
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
         accepted, predicted = self._accepted[greedy]
-        if predicted < _ACCEPT_MIN_PREDICTED:
+        if predicted <= 0.0 or (predicted < _ACCEPT_MIN_PREDICTED
+                                and self._accept_steps[greedy] < _ACCEPT_MIN_STEPS):  # fmt: skip
             return 1.0
         lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
         return min(max(accepted / predicted, lo), hi)

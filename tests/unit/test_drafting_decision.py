@@ -177,6 +177,25 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
     assert d.acceptance_ratio(False) == 0.5
 
 
+def test_the_ratio_is_measured_at_one_request_of_low_survival_too():
+    """The decayed sums never exceed 10x one decision step's numbers, so at one request whose
+    confidences predict under 0.8 drafts a step the predicted sum never reached the 8 drafts
+    the ratio waited for: it stayed at 1 however far the confidences were off (demo pair on
+    the H200, c = 1: 0.78 predicted, 1.13 accepted a step). Sixteen observed decision steps
+    are enough evidence too; fewer are not."""
+    from dspark.spec.drafting import _ACCEPT_MIN_STEPS, DraftingDecision
+
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    for _ in range(_ACCEPT_MIN_STEPS - 1):
+        d.observe_acceptance(True, accepted=1.13, predicted=0.78)
+    assert d.acceptance_ratio(True) == 1.0  # too few steps, too few drafts
+    for _ in range(200):
+        d.observe_acceptance(True, accepted=1.13, predicted=0.78)
+    assert d._accepted[True][1] < 8.0  # (the decayed sum stays under the drafts' threshold)
+    assert d.acceptance_ratio(True) == pytest.approx(1.13 / 0.78, rel=1e-6)
+    assert d.acceptance_ratio(False) == 1.0  # (the other mode: nothing observed)
+
+
 @pytest.mark.parametrize("accepted, predicted, first_scale", [(30.0, 10.0, 2.0),
                                                               (5.0, 20.0, 1.0)])
 def test_the_budget_is_planned_with_the_measured_acceptance_ratio(tiny_qwen, tmp_path, accepted,
