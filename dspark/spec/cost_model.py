@@ -55,34 +55,6 @@ from dspark.spec import cost_table_io
 _MIN_STEP_MS = 1e-6
 
 
-def _monotone_table(xs: Sequence[float], ys: Sequence[float], what: str):
-    x = np.asarray(xs, dtype=np.float64).reshape(-1)
-    y = np.asarray(ys, dtype=np.float64).reshape(-1)
-    if x.shape != y.shape:
-        raise ValueError(f"{what}: {x.size} points but {y.size} times")
-    if x.size and (not np.all(np.isfinite(x)) or not np.all(np.isfinite(y))):
-        raise ValueError(f"{what}: non-finite values")
-    if x.size and (x.min() < 0 or y.min() < 0):
-        raise ValueError(f"{what}: negative token/request count or time")
-    order = np.argsort(x, kind="stable")
-    x, y = x[order], y[order]
-    # Duplicate x (repeated measurements of one shape): keep the largest time.
-    ux, inv = np.unique(x, return_inverse=True)
-    uy = np.full(ux.shape, -np.inf)
-    np.maximum.at(uy, inv, y)
-    return ux, np.maximum.accumulate(uy) if uy.size else uy
-
-
-def _companion(xs, values, table: str, xs_name: str, name: str) -> np.ndarray:
-    """`values` (one per point of xs, or none) in the order of _monotone_table's points (a
-    running max, the largest of duplicates)."""
-    v = np.asarray(values, dtype=np.float64).reshape(-1)
-    n = np.asarray(xs).size
-    if v.size and v.size != n:
-        raise ValueError(f"{table}: {n} {xs_name} but {v.size} {name}")
-    return _monotone_table(xs, v, table)[1] if v.size else v
-
-
 def _interp(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
     """Piecewise-linear; flat below xp[0]; linear extrapolation (last slope) past xp[-1]."""
     if xp.size == 0:
@@ -123,13 +95,14 @@ class CostModel:
 
     def __post_init__(self) -> None:
         # optional companions of a table's points, in the points' sorted order
-        self.verify_reqs = _companion(self.verify_tokens, self.verify_reqs,
-                                      "verify table", "token counts", "request counts")
-        self.verify_tokens, self.verify_ms = _monotone_table(
+        io = cost_table_io
+        self.verify_reqs = io.companion(self.verify_tokens, self.verify_reqs, "verify table",
+                                        "token counts", "request counts")  # fmt: skip
+        self.verify_tokens, self.verify_ms = io.monotone_table(
             self.verify_tokens, self.verify_ms, "verify table")
-        self.draft_greedy_ms = _companion(self.draft_reqs, self.draft_greedy_ms,
-                                          "draft table", "request counts", "greedy times")
-        self.draft_reqs, self.draft_ms = _monotone_table(
+        self.draft_greedy_ms = io.companion(self.draft_reqs, self.draft_greedy_ms, "draft table",
+                                            "request counts", "greedy times")  # fmt: skip
+        self.draft_reqs, self.draft_ms = io.monotone_table(
             self.draft_reqs, self.draft_ms, "draft table")
         self._price_context()
         self.fixed_overhead_ms = float(self.fixed_overhead_ms)

@@ -1,4 +1,5 @@
-"""The cost table's JSON form (CostModel.to_dict / from_dict / to_json / from_json).
+"""The cost table's JSON form (CostModel.to_dict / from_dict / to_json / from_json) and the
+checks a table's points pass on the way in (monotone_table, companion).
 
 Schema 1. Fields added since (each verify point's rows, the context record) are optional:
 a table written before them loads and prices steps at the profiled context.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -64,3 +66,31 @@ def write_json(d: dict[str, Any], path: str | os.PathLike) -> None:
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
     with open(path) as f:
         return json.load(f)
+
+
+def monotone_table(xs: Sequence[float], ys: Sequence[float], what: str):
+    x = np.asarray(xs, dtype=np.float64).reshape(-1)
+    y = np.asarray(ys, dtype=np.float64).reshape(-1)
+    if x.shape != y.shape:
+        raise ValueError(f"{what}: {x.size} points but {y.size} times")
+    if x.size and (not np.all(np.isfinite(x)) or not np.all(np.isfinite(y))):
+        raise ValueError(f"{what}: non-finite values")
+    if x.size and (x.min() < 0 or y.min() < 0):
+        raise ValueError(f"{what}: negative token/request count or time")
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    # Duplicate x (repeated measurements of one shape): keep the largest time.
+    ux, inv = np.unique(x, return_inverse=True)
+    uy = np.full(ux.shape, -np.inf)
+    np.maximum.at(uy, inv, y)
+    return ux, np.maximum.accumulate(uy) if uy.size else uy
+
+
+def companion(xs, values, table: str, xs_name: str, name: str) -> np.ndarray:
+    """`values` (one per point of xs, or none) in the order of monotone_table's points (a
+    running max, the largest of duplicates)."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    n = np.asarray(xs).size
+    if v.size and v.size != n:
+        raise ValueError(f"{table}: {n} {xs_name} but {v.size} {name}")
+    return monotone_table(xs, v, table)[1] if v.size else v
