@@ -193,6 +193,20 @@ class FixedCosts:
         eager = self.get("eager", num_reqs) if eager_trims else None
         return 0.0 if eager is None else max(0.0, eager - spec_ms)
 
+    def untrimmed_stale(self, num_reqs: int) -> bool:
+        """This bucket prices its trims against no fresh untrimmed steps: it has MIN_SAMPLES
+        fresh trimmed steps, and its untrimmed ones are fewer than MIN_SAMPLES or none was
+        observed in the last TRIM_FRESH_STEPS. Its trim penalty is then ~0 whatever trimming
+        saves (`speculative` prices untrimmed steps at the trims' own term), and an engine
+        whose steps the host bounds would trim for nothing (StepPlanning's untrimmed probe)."""
+        b = size_bucket(num_reqs)
+        trims = self._recent["trim"].get(b)
+        if trims is None or len(trims) < MIN_SAMPLES or self._stale_trims(b):
+            return False
+        own = self._recent["spec"].get(b)
+        return (own is None or len(own) < MIN_SAMPLES
+                or self.steps - self._last["spec"][b] > TRIM_FRESH_STEPS)  # fmt: skip
+
     def _stale_trims(self, b: int) -> bool:
         last = self._last["trim"].get(b)
         return last is not None and self.steps - last > TRIM_FRESH_STEPS

@@ -20,11 +20,16 @@ import time
 import numpy as np
 
 from dspark.spec.drafting import PROBE_ROWS
+from dspark.spec.online_cost import size_bucket
 from dspark.spec.planner import REUSE_CLEAR_PLANS
 from dspark.spec.rates import decode_rate
 from dspark.spec.tracing import step_kind
 
 SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of the guard stands
+# an untrimmed probe (_untrimmed_probe): this many verify-all decode plans, at most once per
+# UNTRIMMED_PROBE_EVERY observed steps and batch-size bucket
+UNTRIMMED_PROBE_STEPS = 12
+UNTRIMMED_PROBE_EVERY = 512
 
 
 class StepPlanning:
@@ -34,6 +39,8 @@ class StepPlanning:
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
     _settled_shape: tuple | None = None  # (requests, draft fills, greedy) of a settled plan
     _settled_left = 0  # plans it still stands for (set_cost_model: 0)
+    _untrimmed_left = 0  # verify-all plans an untrimmed probe still runs (set_cost_model: 0)
+    _untrimmed_probed: dict  # (greedy, bucket) -> observed steps at its last probe
 
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -89,6 +96,8 @@ class StepPlanning:
         if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
             budget = total  # what the full plan returns (a penalty only helps the bound)
             self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
+        elif total > 0 and not other and not decide and self._untrimmed_probe(n, greedy):
+            budget = total  # untrimmed steps measured for the trims' penalty
         elif total > 0:
             rows = host.per_row()  # [8, n] views: capacities row 1, request slots row 4
             caps, slots = rows[1], rows[4]
@@ -118,6 +127,27 @@ class StepPlanning:
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)
+
+    def _untrimmed_probe(self, n: int, greedy: bool) -> bool:
+        """Whether this decode plan verifies every draft to measure untrimmed steps: a bucket
+        whose steps all trimmed prices its trims against themselves (a penalty of ~0), so
+        where the host bounds the step, trims that save no time went on for ever (a CPU
+        engine with its device work stubbed: 1,000 plans of 1,000 at 4 requests). A probe's
+        UNTRIMMED_PROBE_STEPS plans give the bucket its untrimmed term, and the penalty then
+        says what trimming really saves (online_cost.FixedCosts.trim_penalty_ms)."""
+        if self._untrimmed_left > 0:
+            self._untrimmed_left -= 1
+            return True
+        fixed = self.fixed_costs
+        if not self._online_cost or not fixed.untrimmed_stale(n):
+            return False
+        key = (greedy, size_bucket(n))
+        last = self._untrimmed_probed.get(key)
+        if last is not None and fixed.steps - last < UNTRIMMED_PROBE_EVERY:
+            return False  # (a probe whose steps went unobserved is not repeated at once)
+        self._untrimmed_probed[key] = fixed.steps
+        self._untrimmed_left = UNTRIMMED_PROBE_STEPS - 1
+        return True
 
     def _after_budget(self, budget: int, total: int, decide: bool, n: int, n_sampling: int,
                       other: int) -> int:  # fmt: skip

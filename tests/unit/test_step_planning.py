@@ -80,3 +80,59 @@ def test_without_standing_every_plan_rereads(tiny_qwen, drafter, tmp_path):
     llm.engine.runner.spec.settled_plans = 1
     _, plans = _run(llm, 24)
     assert plans and all(p[3] for p in plans)
+
+
+def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
+    """A bucket whose steps all trimmed prices its trims against themselves (the 24th
+    session's rule: its speculative term is then the trims' own), so its trim penalty is ~0
+    and, where the host bounds the step, trims that save nothing never stop. An untrimmed
+    probe (12 verify-all plans, at most once per 512 observed steps and bucket) measures the
+    untrimmed steps; once they take as long as the trimmed ones, the penalty stops trimming."""
+    from dspark.spec.cost_model import CostModel
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, fixed_costs_by_mode
+    from dspark.spec.step_planning import UNTRIMMED_PROBE_EVERY, UNTRIMMED_PROBE_STEPS
+
+    cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+           "draft_skipping": False}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    # steep verification: the random drafter's drafts are worth trimming by the table
+    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
+                                        provenance={"source": "profiled"})  # fmt: skip
+    spec.set_cost_model(table, "profiled at start-up")
+    hosts, plan = [], spec.plan
+    spec.plan = lambda host: hosts.append(host) or plan(host)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    host = next(h for h in reversed(hosts) if h.prefill_tokens() == 0 and h.get(
+        "num_draft_fills") > 0)  # a decode step of the whole batch  # fmt: skip
+    n, total = host.get("num_reqs"), host.get("num_draft_fills")
+    spec.plan, spec.drafting.due = plan, lambda num_reqs: False  # (no decision steps here)
+
+    def residual_ms(tokens: int) -> float:  # host-bound: every step takes 8 ms
+        return 8.0 - float(table.verify_cost_ms(tokens)) - table.draft_lookup(n)
+
+    spec._fixed_by_mode = fixed_costs_by_mode()
+    fixed = spec._fixed_by_mode[True]
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):  # every step so far trimmed (to 2 drafts)
+        fixed.observe("trim", residual_ms(n + 2), n)
+    assert fixed.untrimmed_stale(n) and fixed.trim_penalty_ms(fixed.speculative(n), n) == 0.0
+    budgets = [spec.plan(host) for _ in range(UNTRIMMED_PROBE_STEPS)]
+    assert budgets == [total] * UNTRIMMED_PROBE_STEPS  # the probe: verify every draft
+    assert spec.plan(host) < total  # it ran its course; trimming pays by the table again
+    # its steps went unobserved: no new probe before UNTRIMMED_PROBE_EVERY observed steps
+    probed = dict(spec._untrimmed_probed)
+    for _ in range(20):
+        spec.plan(host)
+    assert spec._untrimmed_left == 0 and spec._untrimmed_probed == probed
+    for _ in range(UNTRIMMED_PROBE_EVERY):
+        fixed.observe("trim", residual_ms(n + 2), n)
+    assert spec.plan(host) == total  # probing again
+    assert spec._untrimmed_left == UNTRIMMED_PROBE_STEPS - 1
+    for _ in range(MIN_SAMPLES):  # its steps, observed: as long as the trimmed ones
+        fixed.observe("spec", residual_ms(n + total), n)
+    assert not fixed.untrimmed_stale(n)
+    assert fixed.trim_penalty_ms(fixed.speculative(n), n) == pytest.approx(
+        float(table.verify_cost_ms(n + total) - table.verify_cost_ms(n + 2)))  # fmt: skip
+    spec._untrimmed_left = 0
+    assert all(spec.plan(host) == total for _ in range(20))  # trimming stopped
