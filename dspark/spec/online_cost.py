@@ -62,6 +62,9 @@ KINDS = ("spec", "plain", "eager", "trim")
 # observed steps (all kinds) after which a bucket's trimmed-step term is dropped, to be
 # measured afresh (MIN_SAMPLES trimmed steps) before it prices trims again
 TRIM_FRESH_STEPS = 2048
+# a bucket that only trims probes untrimmed steps only where its trims' term (host work,
+# mostly) is at least this share of their period (untrimmed_stale)
+HOST_SHARE = 0.25
 
 
 def size_bucket(num_reqs: int) -> int:
@@ -198,10 +201,17 @@ class FixedCosts:
         fresh trimmed steps, and its untrimmed ones are fewer than MIN_SAMPLES or none was
         observed in the last TRIM_FRESH_STEPS. Its trim penalty is then ~0 whatever trimming
         saves (`speculative` prices untrimmed steps at the trims' own term), and an engine
-        whose steps the host bounds would trim for nothing (StepPlanning's untrimmed probe)."""
+        whose steps the host bounds would trim for nothing (StepPlanning's untrimmed probe).
+        Only where the trims' term is at least HOST_SHARE of their mean period: where the
+        device bounds the step the table's savings are what trimming saves (H200, 8B shape,
+        SYNTHETIC, c = 64: 201 trimmed steps of 13.3 ms, a term of 0.72 ms), and a probe of
+        untrimmed steps would only cost time there."""
         b = size_bucket(num_reqs)
         trims = self._recent["trim"].get(b)
         if trims is None or len(trims) < MIN_SAMPLES or self._stale_trims(b):
+            return False
+        seen = self.observed.get(("trim", b))
+        if seen is None or self._term["trim"][b] < HOST_SHARE * seen[1] / max(seen[0], 1):
             return False
         own = self._recent["spec"].get(b)
         return (own is None or len(own) < MIN_SAMPLES

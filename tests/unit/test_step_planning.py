@@ -85,9 +85,10 @@ def test_without_standing_every_plan_rereads(tiny_qwen, drafter, tmp_path):
 def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
     """A bucket whose steps all trimmed prices its trims against themselves (the 24th
     session's rule: its speculative term is then the trims' own), so its trim penalty is ~0
-    and, where the host bounds the step, trims that save nothing never stop. An untrimmed
-    probe (12 verify-all plans, at most once per 512 observed steps and bucket) measures the
-    untrimmed steps; once they take as long as the trimmed ones, the penalty stops trimming."""
+    and, where the host bounds the step, trims that save nothing never stop. Where the trims'
+    term is a large share of their period, an untrimmed probe (12 verify-all plans, at most
+    once per 512 observed steps and bucket) measures the untrimmed steps; once they take as
+    long as the trimmed ones, the penalty stops trimming."""
     from dspark.spec.cost_model import CostModel
     from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, fixed_costs_by_mode
     from dspark.spec.step_planning import UNTRIMMED_PROBE_EVERY, UNTRIMMED_PROBE_STEPS
@@ -112,10 +113,17 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
     def residual_ms(tokens: int) -> float:  # host-bound: every step takes 8 ms
         return 8.0 - float(table.verify_cost_ms(tokens)) - table.draft_lookup(n)
 
+    # where the device bounds the step (trimmed steps take what the table says, plus a small
+    # term) no probe is due: the table's savings are real there
+    device_bound = fixed_costs_by_mode()[True]
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+        device_bound.observe("trim", 0.2, n, float(table.verify_cost_ms(n + 2)) + 0.3)
+    assert not device_bound.untrimmed_stale(n)
+
     spec._fixed_by_mode = fixed_costs_by_mode()
     fixed = spec._fixed_by_mode[True]
     for _ in range(WARMUP_STEPS + MIN_SAMPLES):  # every step so far trimmed (to 2 drafts)
-        fixed.observe("trim", residual_ms(n + 2), n)
+        fixed.observe("trim", residual_ms(n + 2), n, 8.0)
     assert fixed.untrimmed_stale(n) and fixed.trim_penalty_ms(fixed.speculative(n), n) == 0.0
     budgets = [spec.plan(host) for _ in range(UNTRIMMED_PROBE_STEPS)]
     assert budgets == [total] * UNTRIMMED_PROBE_STEPS  # the probe: verify every draft
@@ -126,11 +134,11 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
         spec.plan(host)
     assert spec._untrimmed_left == 0 and spec._untrimmed_probed == probed
     for _ in range(UNTRIMMED_PROBE_EVERY):
-        fixed.observe("trim", residual_ms(n + 2), n)
+        fixed.observe("trim", residual_ms(n + 2), n, 8.0)
     assert spec.plan(host) == total  # probing again
     assert spec._untrimmed_left == UNTRIMMED_PROBE_STEPS - 1
     for _ in range(MIN_SAMPLES):  # its steps, observed: as long as the trimmed ones
-        fixed.observe("spec", residual_ms(n + total), n)
+        fixed.observe("spec", residual_ms(n + total), n, 8.0)
     assert not fixed.untrimmed_stale(n)
     assert fixed.trim_penalty_ms(fixed.speculative(n), n) == pytest.approx(
         float(table.verify_cost_ms(n + total) - table.verify_cost_ms(n + 2)))  # fmt: skip
