@@ -1,5 +1,5 @@
 """Tokens per ms of decode-only steps, and prefix survivals: the arithmetic that the drafting
-decision (drafting.py), the planner's steps with prefill chunks (decoder.py) and the replay
+decision (drafting.py), the planner's steps with prefill chunks (step_planning.py) and the replay
 simulator (sim.py) share.
 
 A decode-only step of R sampling requests either decodes plainly (R tokens for the forward of
