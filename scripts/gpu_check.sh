@@ -22,7 +22,10 @@
 #           demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
 #           machine is warm, for the e2e stage
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
-#   demo_e2e  the same sweep on the bundled demo pair (c = 1..256 without 32)  -> $OUT/demo_e2e_*
+#   demo_e2e  the same sweep on the bundled demo pair (c = 1, 4, 16, 64, 256), served
+#           interleaved, 3 rounds, T = 0 by default (the machine's host speed drifts 2x:
+#           sequential arms of this host-bound pair are not comparable; twenty-fifth session;
+#           ~340 s for 5 levels; DEMO_ARGS="... --temperatures 1" for T = 1)  -> $OUT/demo_e2e_*
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
 #   diag    adaptive vs no-spec step by step on the 8B shape, SYNTHETIC acceptance, at DIAG_CONC
 #           (default 64,128; DIAG_ARMS, default nospec,adaptive; DIAG_KERNELS: kernel tables,
@@ -32,8 +35,9 @@
 #           -> $OUT/cpumap.log
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min), also
 #           with uvicorn on uvloop + httptools (from .whl) -> $OUT/ceiling.log
-# Extra arguments: TRAIN_ARGS for train_pair.py, E2E_ARGS for the bench_e2e.py runs (default
-# "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
+# Extra arguments: TRAIN_ARGS for train_pair.py, DEMO_ARGS for demo_e2e's bench_e2e.py run
+# (default above; E2E_ARGS, when set, serves there too), E2E_ARGS for the other bench_e2e.py
+# runs (default "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
 # call; e2e: 32 prompts, the trained pair's levels at c = 1 / 4 lasted 0.2-1 s with 8, and its
 # whole run 373 s of which 61 s were measured levels; 434 s in the fifteenth session, whose
 # levels of 0.4-4.7 s were too short for the drafting decision: 4 waves from c = 16 up (4c
@@ -150,8 +154,10 @@ fi
 if has demo_e2e; then  # the same sweep on the bundled demo pair (no training needed)
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target dspark/assets/demo/target \
     --drafter dspark/assets/demo/drafter --sts dspark/assets/demo/drafter/sts.json \
-    --dataset humaneval --dataset-path $HE --sweep "${DEMO_SWEEP:-1,4,16,64,128,256}" \
-    --out /tmp/demo_e2e ${E2E_ARGS:---num-prompts 8 --warmup 8} 2>&1 | tee "$OUT/demo_e2e.log" | tail -30
+    --dataset humaneval --dataset-path $HE --sweep "${DEMO_SWEEP:-1,4,16,64,256}" \
+    --out /tmp/demo_e2e ${DEMO_ARGS:-${E2E_ARGS:---interleave --rounds 3 --num-kv-blocks 20000 \
+    --num-prompts 32 --prompts-per-concurrency 4 --warmup 8 --temperatures 0}} 2>&1 \
+    | tee "$OUT/demo_e2e.log" | tail -30
   pack demo_e2e
 fi
 if has synth; then
