@@ -108,5 +108,8 @@ class StandingPlans:
                 self._plans.clear()
             self._plans[group] = [stands_for - 1, d]
 
+    def drop(self, group: tuple | None) -> None:
+        self._plans.pop(group, None)
+
     def clear(self) -> None:
         self._plans.clear()

@@ -214,6 +214,7 @@ class Planner:
         # searched plans reused for nearby shapes, confidences unread (plan_reuse.py)
         self.standing = StandingPlans(reuse_clear_plans, reuse_trimmed_plans, min_predicted_gain)
         self.searches = 0  # plan_cpu calls that searched budgets (the scheduler's overhead by part)
+        self._last_group: tuple | None = None  # the standing-plan group plan_cpu used last
 
     def plan_cpu(self, stale_conf, capacities: np.ndarray,
                  num_other_tokens: int = 0, num_sampling_reqs: int | None = None,
@@ -241,6 +242,7 @@ class Planner:
             return total
         group = StandingPlans.group(caps.size, num_other_tokens, trim_penalty_ms,
                                     num_sampling_reqs == caps.size, opportunity_rate)
+        self._last_group = group  # (retire_standing)
         d = self.standing.take(group, cand, total)
         if d is not None:
             self.last_decision = d
@@ -306,6 +308,11 @@ class Planner:
         the variable step times of n = 0 and n = all (_context)."""
         t0, t_all = self.cost.add_fixed(ends[0]), self.cost.add_fixed(ends[1])
         return t_all <= (t0 + penalty_ms) * (1.0 + self.min_predicted_gain)
+
+    def retire_standing(self) -> None:
+        """Drop the standing plan of the last searched or reused group (its caller stands
+        for it: StepPlanning's fast path)."""
+        self.standing.drop(self._last_group)
 
     def invalidate_tables(self, keep_plans: bool = False) -> None:
         """Drop what embeds the fixed term or the drafter's pricing (after either changed):

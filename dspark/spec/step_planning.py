@@ -3,9 +3,10 @@ from stale host confidences, the drafting decision's cadence, every step's kind,
 online cost model observes of the step once it ran.
 
 A plan the cost bound settles (verify every draft, whatever the confidences: the common step
-at low load) stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, draft
-fills, sampling mode; no prefill chunk) that do not re-run the drafting decision: those verify
-every draft without re-reading the learned fixed term or re-checking the bound. On small
+at low load), or a searched one that verifies every draft clear of the guard, stands for the
+next SETTLED_PLANS - 1 plans of the same shape (requests, draft fills, sampling mode; no
+prefill chunk) that do not re-run the drafting decision: those verify every draft without
+re-reading the learned fixed term, the bound or the confidences. On small
 host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
 H200 host's serving loop, twenty-fifth session), most of it such steps. A standing plan reads
 terms at most SETTLED_PLANS - 1 plans old (the fixed term is a median of 15 steps and moves
@@ -119,14 +120,28 @@ class StepPlanning:
             ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
             # (a decision step reads them anyway: once, for both)
             stale = self._stale(slots) if decide else (lambda: self._stale(slots))
+            searches = self.planner.searches
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
                                            total=total)  # fmt: skip
+            if (not other and self.settled_plans > 1 and self.planner.searches > searches
+                    and self._clear_verify_all()):  # fmt: skip
+                # a searched verify-all clear of the guard stands here, as a settled plan does
+                # (instead of in the planner, whose standing plans re-read the terms first)
+                self.planner.retire_standing()
+                self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)
+
+    def _clear_verify_all(self) -> bool:
+        """The planner's last decision verifies every draft and no trim came within half the
+        guard of it (plan_reuse.StandingPlans: such a plan stands for REUSE_CLEAR_PLANS)."""
+        d = self.planner.last_decision
+        return (d is not None and not d.trimmed
+                and d.predicted_gain < self.planner.min_predicted_gain / 2)  # fmt: skip
 
     def _untrimmed_probe(self, n: int, greedy: bool) -> bool:
         """Whether this decode plan verifies every draft to measure untrimmed steps: a bucket

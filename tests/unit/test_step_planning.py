@@ -4,6 +4,7 @@ shape, a drafting decision or a step with prefill chunks re-reads them. Output u
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
@@ -135,6 +136,7 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
     assert spec._untrimmed_left == 0 and spec._untrimmed_probed == probed
     for _ in range(UNTRIMMED_PROBE_EVERY):
         fixed.observe("trim", residual_ms(n + 2), n, 8.0)
+    spec._settled_left = 0  # (no standing verify-all plan in the way)
     assert spec.plan(host) == total  # probing again
     assert spec._untrimmed_left == UNTRIMMED_PROBE_STEPS - 1
     for _ in range(MIN_SAMPLES):  # its steps, observed: as long as the trimmed ones
@@ -144,3 +146,46 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
         float(table.verify_cost_ms(n + total) - table.verify_cost_ms(n + 2)))  # fmt: skip
     spec._untrimmed_left = 0
     assert all(spec.plan(host) == total for _ in range(20))  # trimming stopped
+
+
+def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
+    """Where the bound does not settle (verification costs) but a search finds every draft
+    worth verifying by far (confident drafts), that plan stands for the next plans of its
+    shape in the same way: one search per SETTLED_PLANS decode plans, none of the plans
+    between re-reading the terms; the planner's own standing plan for it is retired, so it
+    does not stand twice."""
+    from dspark.spec.cost_model import CostModel
+
+    cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+           "draft_skipping": False}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
+                                        provenance={"source": "loaded"})  # fmt: skip
+    spec.set_cost_model(table, "loaded")  # (no online terms: the table as it is)
+    hosts, plan = [], spec.plan
+    spec.plan = lambda host: hosts.append(host) or plan(host)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
+    host = next(h for h in reversed(hosts) if h.prefill_tokens() == 0 and h.get(
+        "num_draft_fills") > 0)  # fmt: skip
+    total = host.get("num_draft_fills")
+    spec.plan, spec.drafting.due = plan, lambda num_reqs: False
+    spec._stale = lambda slots: np.full((len(slots), spec.k), 0.999)  # confident drafts
+    spec.planner.invalidate_tables()  # (the plans standing from the generation: dropped)
+    assert not spec.planner.bound_settles(host.get("num_reqs"), total)
+    searches, reads, apply_terms = spec.planner.searches, [0], spec._apply_terms
+
+    def counting(*a):
+        reads[0] += 1
+        return apply_terms(*a)
+
+    spec._apply_terms = counting
+    budgets = [spec.plan(host) for _ in range(3 * SETTLED_PLANS)]
+    assert budgets == [total] * len(budgets)  # verify-all throughout
+    assert spec.planner.searches - searches == 3  # one search per SETTLED_PLANS plans
+    assert reads[0] == 3
+    spec.settled_plans = 1  # without standing here: the planner's own plans stand (15 plans)
+    spec._settled_left, before = 0, spec.planner.searches
+    assert [spec.plan(host) for _ in range(32)] == [total] * 32
+    assert spec.planner.searches - before == 2
