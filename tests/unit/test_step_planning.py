@@ -90,26 +90,11 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
     term is a large share of their period, an untrimmed probe (12 verify-all plans, at most
     once per 512 observed steps and bucket) measures the untrimmed steps; once they take as
     long as the trimmed ones, the penalty stops trimming."""
-    from dspark.spec.cost_model import CostModel
     from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, fixed_costs_by_mode
     from dspark.spec.step_planning import UNTRIMMED_PROBE_EVERY, UNTRIMMED_PROBE_STEPS
 
-    cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
-           "draft_skipping": False}  # fmt: skip
-    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=cfg)
-    spec = llm.engine.runner.spec
-    # steep verification: the random drafter's drafts are worth trimming by the table
-    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
-                                        provenance={"source": "profiled"})  # fmt: skip
-    spec.set_cost_model(table, "profiled at start-up")
-    hosts, plan = [], spec.plan
-    spec.plan = lambda host: hosts.append(host) or plan(host)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    host = next(h for h in reversed(hosts) if h.prefill_tokens() == 0 and h.get(
-        "num_draft_fills") > 0)  # a decode step of the whole batch  # fmt: skip
+    spec, table, host = _steep_decode_step(tiny_qwen, drafter, "profiled")
     n, total = host.get("num_reqs"), host.get("num_draft_fills")
-    spec.plan, spec.drafting.due = plan, lambda num_reqs: False  # (no decision steps here)
 
     def residual_ms(tokens: int) -> float:  # host-bound: every step takes 8 ms
         return 8.0 - float(table.verify_cost_ms(tokens)) - table.draft_lookup(n)
@@ -154,23 +139,8 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     shape in the same way: one search per SETTLED_PLANS decode plans, none of the plans
     between re-reading the terms; the planner's own standing plan for it is retired, so it
     does not stand twice."""
-    from dspark.spec.cost_model import CostModel
-
-    cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
-           "draft_skipping": False}  # fmt: skip
-    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=cfg)
-    spec = llm.engine.runner.spec
-    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
-                                        provenance={"source": "loaded"})  # fmt: skip
-    spec.set_cost_model(table, "loaded")  # (no online terms: the table as it is)
-    hosts, plan = [], spec.plan
-    spec.plan = lambda host: hosts.append(host) or plan(host)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
-    host = next(h for h in reversed(hosts) if h.prefill_tokens() == 0 and h.get(
-        "num_draft_fills") > 0)  # fmt: skip
+    spec, _, host = _steep_decode_step(tiny_qwen, drafter, "loaded")  # (no online terms)
     total = host.get("num_draft_fills")
-    spec.plan, spec.drafting.due = plan, lambda num_reqs: False
     spec._stale = lambda slots: np.full((len(slots), spec.k), 0.999)  # confident drafts
     spec.planner.invalidate_tables()  # (the plans standing from the generation: dropped)
     assert not spec.planner.bound_settles(host.get("num_reqs"), total)
@@ -189,3 +159,27 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     spec._settled_left, before = 0, spec.planner.searches
     assert [spec.plan(host) for _ in range(32)] == [total] * 32
     assert spec.planner.searches - before == 2
+
+
+def _steep_decode_step(tiny_qwen, drafter, source: str):
+    """A lagged engine at 4-7 requests priced by a steep table (verification costs: the
+    random drafter's drafts are worth trimming by it) of provenance `source` ("profiled":
+    online terms on), after a short generation; returns (decoder, table, the packed host step
+    of its last decode step of the whole batch). Its plans decide nothing from then on."""
+    from dspark.spec.cost_model import CostModel
+
+    cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+           "draft_skipping": False}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    table = CostModel.from_measurements([1, 64], [1.0, 20.0], [1, 64], [0.1, 0.1],
+                                        provenance={"source": source})  # fmt: skip
+    spec.set_cost_model(table, f"{source} (test)")
+    hosts, plan = [], spec.plan
+    spec.plan = lambda host: hosts.append(host) or plan(host)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
+    host = next(h for h in reversed(hosts)
+                if h.prefill_tokens() == 0 and h.get("num_draft_fills") > 0)  # fmt: skip
+    spec.plan, spec.drafting.due = plan, lambda num_reqs: False
+    return spec, table, host
