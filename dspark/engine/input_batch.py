@@ -131,7 +131,7 @@ class HostStep:
 
     def prefill_tokens(self) -> int:
         """Stream tokens beyond one per row and the draft fills: what prefill chunks add."""
-        return self.get("num_tokens") - self.get("num_draft_fills") - self.get("num_reqs")
+        return self.plan_scalars()[2]
 
     def plan_scalars(self) -> tuple[int, int, int, int, bool, int]:
         """(requests, draft fills, prefill tokens, sampling rows, all greedy, context tokens):

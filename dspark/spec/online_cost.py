@@ -215,7 +215,7 @@ class FixedCosts:
             return False
         own = self._recent["spec"].get(b)
         return (own is None or len(own) < MIN_SAMPLES
-                or self.steps - self._last["spec"][b] > TRIM_FRESH_STEPS)  # fmt: skip
+                or self.age("spec", num_reqs) > TRIM_FRESH_STEPS)  # fmt: skip
 
     def _stale_trims(self, b: int) -> bool:
         last = self._last["trim"].get(b)

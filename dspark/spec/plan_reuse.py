@@ -43,6 +43,12 @@ class BudgetDecision:
     trimmed: bool  # budget < max_budget
 
 
+def clear_of_guard(d: BudgetDecision, guard: float) -> bool:
+    """A verify-all decision whose best trim came under half the guard: far from trimming,
+    it stands for the most plans (StandingPlans.put; StepPlanning's fast path)."""
+    return not d.trimmed and d.predicted_gain < guard / 2
+
+
 def nearby_rows(num_reqs: int) -> int:
     """The group of a request count whose plans stand for each other: exact below 16, then
     16 groups per doubling (240-255, 256-287, ...: within ~6%)."""
@@ -99,7 +105,7 @@ class StandingPlans:
         """A searched decision, standing for as many plans as its kind earns."""
         if d.trimmed:
             stands_for = self.trimmed_plans
-        elif d.predicted_gain < self.guard / 2:  # clear of the guard
+        elif clear_of_guard(d, self.guard):
             stands_for = self.clear_plans
         else:
             stands_for = min(self.clear_plans, self.trimmed_plans)

@@ -22,6 +22,7 @@ import numpy as np
 
 from dspark.spec.drafting import PROBE_ROWS
 from dspark.spec.online_cost import size_bucket
+from dspark.spec.plan_reuse import clear_of_guard
 from dspark.spec.planner import REUSE_CLEAR_PLANS
 from dspark.spec.rates import decode_rate
 from dspark.spec.tracing import step_kind
@@ -96,7 +97,7 @@ class StepPlanning:
         budget = 0
         if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
             budget = total  # what the full plan returns (a penalty only helps the bound)
-            self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
+            self._stand(n, total, greedy)
         elif total > 0 and not other and not decide and self._untrimmed_probe(n, greedy):
             budget = total  # untrimmed steps measured for the trims' penalty
         elif total > 0:
@@ -123,12 +124,13 @@ class StepPlanning:
             searches = self.planner.searches
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
                                            total=total)  # fmt: skip
+            d = self.planner.last_decision
             if (not other and self.settled_plans > 1 and self.planner.searches > searches
-                    and self._clear_verify_all()):  # fmt: skip
+                    and clear_of_guard(d, self.planner.min_predicted_gain)):  # fmt: skip
                 # a searched verify-all clear of the guard stands here, as a settled plan does
                 # (instead of in the planner, whose standing plans re-read the terms first)
                 self.planner.retire_standing()
-                self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
+                self._stand(n, total, greedy)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
@@ -136,12 +138,9 @@ class StepPlanning:
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)
 
-    def _clear_verify_all(self) -> bool:
-        """The planner's last decision verifies every draft and no trim came within half the
-        guard of it (plan_reuse.StandingPlans: such a plan stands for REUSE_CLEAR_PLANS)."""
-        d = self.planner.last_decision
-        return (d is not None and not d.trimmed
-                and d.predicted_gain < self.planner.min_predicted_gain / 2)  # fmt: skip
+    def _stand(self, n: int, total: int, greedy: bool) -> None:
+        """This plan stands for the next settled_plans - 1 decode plans of its shape."""
+        self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
 
     def _untrimmed_probe(self, n: int, greedy: bool) -> bool:
         """Whether this decode plan verifies every draft to measure untrimmed steps: a bucket
