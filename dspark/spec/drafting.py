@@ -34,7 +34,7 @@ Two kinds of probe keep both sides of the comparison measured:
                 SYNTHETIC, twelfth session: drafting never stopped at c = 128, 20% below no
                 speculation; trained pair, T = 1, c = 1: no speculation 24% faster). The
                 ninth session's 4-step probes learned plain steps too cheap and turned
-                drafting off where it won; probes are now 12 steps (the median of ~10
+                drafting off where it won; probes are now 12 steps (a term over ~10
                 observed ones), and only where plain steps at the table's bare forward
                 price could win (at low load drafting beats even that: no probe).
 """
@@ -78,7 +78,7 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 _PROBE_BACKOFF_MAX = 8
 # planned steps of a plain probe: the first still verifies the drafts before it, the others
 # are observed (with async scheduling a step left in flight is observed by the next call): ~10,
-# more than the fixed term's MIN_SAMPLES, so one probe gives the median of a run of plain steps
+# more than the fixed term's MIN_SAMPLES, so one probe gives the term of a run of plain steps
 # rather than of the two first ones after drafting (4-step probes learned plain steps far
 # cheaper than a plain server ran them: H200, ninth session)
 _PLAIN_PROBE_STEPS = 12
@@ -315,7 +315,7 @@ class DraftingDecision:
         measured at this batch size within the last _PLAIN_FRESH observed steps (or never),
         and a plain probe can measure it now (a decode step; this bucket not probed in the
         last _PLAIN_RECENT plans, so a probe whose steps went unobserved does not repeat).
-        The two terms are wall-clock medians, and a host-bound engine's host speed drifts:
+        The two terms are wall-clock window means, and a host-bound engine's host speed drifts:
         on the H200's host the same Python work took 0.9-2.2x as long from one second or
         CPU to the next (scripts/cpu_speed_map.py), so a speculative term measured in a slow
         spell against a plain term from a fast one turned drafting off where it won (demo

@@ -5,10 +5,16 @@ work that no trimming removes, and attention over contexts longer than the profi
 out, every token looks too expensive and the planner over-trims. Each decode step's residual
 (measured step time beyond the table's forward + drafter time) joins a window of the last
 WINDOW residuals, one per kind of step and per batch-size bucket (request counts 1, 2-3, 4-7,
-...), and the term is the window's median: a served step's period also holds whatever the
-driver did between steps (a request's arrival, a collection pause), and one 20 ms outlier
-moved an average by 2 ms for tens of steps (an H200 server learned 3.9 ms for plain steps that
-took 2.5, and kept it until the next probe):
+...), and the term is the window's fenced mean (`fenced_mean`): throughput is tokens over the
+sum of periods, so a term must be a kind's mean cost, tail included, but a served step's period
+also holds whatever the driver did between steps (a request's arrival, a collection pause),
+and one 20 ms outlier moved a plain average by 2 ms for tens of steps (an H200 server learned
+3.9 ms for plain steps that took 2.5, and kept it until the next probe). The median that
+replaced that average was blind to the tail a kind pays on every few steps: demo pair, T = 1,
+c = 4 (H200, twenty-sixth session), speculative residuals averaged 0.21 ms and plain ones
+0.10 over a round, while the window medians at its end were 0.12 and 0.07; drafting turned on
+at terms of 0.069 ms speculative against 0.096 plain, and ran 9.9k tok/s where no speculation
+ran 14.6k:
 
   spec   speculative steps that verify every draft (one whole-step graph where available):
          the table's `fixed_overhead_ms`, the term every candidate pays;
@@ -48,11 +54,11 @@ fixed cost.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 
 WARMUP_STEPS = 3  # first steps compile kernels and fill caches: not representative
-WINDOW = 15  # residuals kept per kind and bucket (odd: the median is one of them)
+WINDOW = 15  # residuals kept per kind and bucket
+FENCE = 3.0  # fenced_mean clips a window's residuals to its quartiles -/+ FENCE x their spread
 # a bucket measured fewer times is used only where no bucket has this many: batch sizes a
 # server passes through (requests finishing and arriving at a level's edges) are measured a
 # few times in those moments, and one such term (2.5 ms at 2-3 requests, H200, against
@@ -70,6 +76,19 @@ HOST_SHARE = 0.25
 def size_bucket(num_reqs: int) -> int:
     """Batch-size bucket: 1 | 2-3 | 4-7 | 8-15 | ... (bit length of the request count)."""
     return max(int(num_reqs), 1).bit_length()
+
+
+def fenced_mean(values) -> float:
+    """The mean of `values` each clipped to [q1 - FENCE * iqr, q3 + FENCE * iqr] (their lower
+    and upper quartiles and the spread between: Tukey's far fences). A tail the steps pay every
+    few steps stays in (spreads of 2-4x the median are a host-bound step's normal), a rare
+    pause tens of times the typical step counts as a step at the fence. Residuals may be
+    negative (a table profiled slower than serving), so the fences are not ratios."""
+    s = sorted(values)
+    n = len(s)
+    q1, q3 = s[n // 4], s[(3 * n) // 4]
+    lo, hi = q1 - FENCE * (q3 - q1), q3 + FENCE * (q3 - q1)
+    return sum(min(max(v, lo), hi) for v in s) / n
 
 
 def bucket_label(bucket: int) -> str:
@@ -90,11 +109,11 @@ class FixedCosts:
         self.fallback = fallback
         self.steps = 0
         self._recent: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
-        self._term: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}  # their medians
+        self._term: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}  # fenced means
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
         # every observed step by kind and batch-size bucket: [steps, their periods' ms, their
         # residuals' ms] (for /metrics: what the terms were learned from, to set against the
-        # step clock's busy + idle and against the window medians); one table for both
+        # step clock's busy + idle and against the windows' terms); one table for both
         # sampling modes (fixed_costs_by_mode)
         self.observed: dict[tuple[str, int], list[float]] = {} if observed is None else observed
 
@@ -119,7 +138,7 @@ class FixedCosts:
         if window is None:
             window = self._recent[kind][b] = deque(maxlen=WINDOW)
         window.append(residual_ms)
-        self._term[kind][b] = statistics.median(window)
+        self._term[kind][b] = fenced_mean(window)
         self._last[kind][b] = self.steps
 
     def age(self, kind: str, num_reqs: int) -> float:

@@ -9,7 +9,7 @@ prefill chunk) that do not re-run the drafting decision: those verify every draf
 re-reading the learned fixed term, the bound or the confidences. On small
 host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
 H200 host's serving loop, twenty-fifth session), most of it such steps. A standing plan reads
-terms at most SETTLED_PLANS - 1 plans old (the fixed term is a median of 15 steps and moves
+terms at most SETTLED_PLANS - 1 plans old (the fixed term is a fenced mean of 15 steps and moves
 little in that time); a decision step re-reads everything. Lossless either way: the budget
 only says how many drafts are verified.
 """
@@ -105,7 +105,7 @@ class StepPlanning:
             caps, slots = rows[1], rows[4]
             # a decode step's trimmed plan pays what trimmed steps were measured to cost
             # beyond untrimmed ones (online_cost.py; 0 until learned), in steps of 0.02 ms (a
-            # standing plan's group holds it: the window's median moves on most steps)
+            # standing plan's group holds it: the window's term moves on most steps)
             penalty = 0.0 if other else round(50.0 * self.fixed_costs.trim_penalty_ms(
                 self.cost.fixed_overhead_ms, n, self.eager_trims)) / 50.0  # fmt: skip
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
