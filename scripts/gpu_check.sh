@@ -138,11 +138,13 @@ then  # the machine has no internet: install the server stack from scripts/fetch
   python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
     prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
 fi
-pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest
+pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest but the
+  # per-level and per-round plots (their numbers are in the JSON beside them; they were 4/5
+  # of an archive, and the tree the device gets is capped at 64 MiB)
   pkill -f "dspark serve" 2>/dev/null  # servers of a run cut by the timeout
   cp "/tmp/$1/bench_e2e.json" "$OUT/$1.json" 2>/dev/null
   cp "/tmp/$1/sweep_t0.png" "$OUT/$1_t0.png" 2>/dev/null
-  tar -czf "$OUT/$1_files.tgz" -C /tmp "$1" 2>/dev/null
+  tar -czf "$OUT/$1_files.tgz" --exclude="*_c[0-9]*.png" -C /tmp "$1" 2>/dev/null
 }
 if has e2e; then
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
