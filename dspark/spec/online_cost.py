@@ -88,7 +88,16 @@ def fenced_mean(values) -> float:
     n = len(s)
     q1, q3 = s[n // 4], s[(3 * n) // 4]
     lo, hi = q1 - FENCE * (q3 - q1), q3 + FENCE * (q3 - q1)
-    return sum(min(max(v, lo), hi) for v in s) / n
+    total = sum(s)  # then clip the sorted tails only (every observed step: ~1 us, not ~7)
+    i = n - 1
+    while s[i] > hi:  # (ends at q3 <= hi at the latest; likewise q1 >= lo below)
+        total += hi - s[i]
+        i -= 1
+    i = 0
+    while s[i] < lo:
+        total += lo - s[i]
+        i += 1
+    return total / n
 
 
 def bucket_label(bucket: int) -> str:
