@@ -26,6 +26,19 @@ def decision_state(delta: dict, conc: int, temp: float) -> str | None:
     return ms + ("" if ratio is None else f"; {ratio:.2f}")
 
 
+def paired_by_round(levels: list[dict]) -> list[float] | None:
+    """Adaptive over the better of no-spec and fixed K within each round of one level
+    (`levels`: the three arms' results of that level, in `names` order; each holds
+    `rounds_output_throughput` when the level ran in rounds). The arms of a round run back to
+    back, so a host that drifts between rounds moves the three together more than it moves
+    the median rounds, which can each come from a different round. None: no rounds."""
+    rounds = [lv.get("rounds_output_throughput") for lv in levels]
+    if any(r is None for r in rounds) or len({len(r) for r in rounds}) != 1:
+        return None
+    nospec, fixed, adaptive = rounds
+    return [a / max(n, f) - 1.0 for n, f, a in zip(nospec, fixed, adaptive)]
+
+
 def print_table(names: list[str], temps, results, checks, label) -> None:
     """The three arms' throughput by level and temperature (`names`: no-spec, fixed,
     adaptive), then what each level's counters say: the adaptive server's steps by kind,
@@ -50,6 +63,13 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
                   + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+        paired = [paired_by_round([results[(n, t)]["results"][i] for n in names])
+                  for i in range(len(levels))]  # fmt: skip
+        if any(paired):  # the per-round spread a median-round verdict sits in
+            print(f"{names[2]} vs best, paired by round (median): " + ", ".join(
+                f"c={lvl['max_concurrency']} " + " / ".join(f"{x:+.1%}" for x in p)
+                + f" ({sorted(p)[(len(p) - 1) // 2]:+.1%})"
+                for lvl, p in zip(levels, paired) if p))  # fmt: skip
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {} for r in results[(names[2], t)]["results"]]  # fmt: skip
         kinds = [d.get("steps_by_kind") for d in deltas]

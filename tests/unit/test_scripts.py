@@ -136,6 +136,9 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
             stamps.append((min(times), max(times)))
         # each round of each level ran after every earlier one
         assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
+        # the verdict's spread: adaptive over the better arm within each of the 2 rounds
+        paired = [ln for ln in proc.stdout.splitlines() if "paired by round" in ln]
+        assert len(paired) == 1 and paired[0].count("%") == 2 * 3 and "c=2 " in paired[0]
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
     temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
@@ -284,6 +287,24 @@ def test_interleaved_rounds_keep_each_arms_median_round():
     assert median_round([level(5.0), level(3.0)])["results"][0]["output_throughput"] == 3.0
     single = median_round([level(42.0)])
     assert single["results"][0] == {"max_concurrency": 4, "output_throughput": 42.0}
+
+
+def test_paired_by_round_sets_adaptive_against_the_better_arm_of_each_round():
+    """Each round's adaptive figure over the better of no-spec and fixed K in that round: the
+    median-round verdict below is -5%, the rounds say -5 / -25 / -5%; without rounds there is
+    nothing to pair."""
+    sys.path.insert(0, f"{ROOT}/scripts")
+    from e2e_report import paired_by_round
+
+    def arm(*tput: float) -> dict:
+        return {"output_throughput": sorted(tput)[1], "rounds_output_throughput": list(tput)}
+
+    nospec, fixed, adaptive = arm(100.0, 200.0, 150.0), arm(90.0, 180.0, 120.0), arm(
+        95.0, 150.0, 142.5)  # fmt: skip
+    assert adaptive["output_throughput"] / nospec["output_throughput"] == pytest.approx(0.95)
+    assert paired_by_round([nospec, fixed, adaptive]) == pytest.approx([-0.05, -0.25, -0.05])
+    assert paired_by_round([fixed, nospec, adaptive]) == pytest.approx([-0.05, -0.25, -0.05])
+    assert paired_by_round([nospec, fixed, {"output_throughput": 1.0}]) is None  # no rounds
 
 
 def _bench_e2e_module():
