@@ -329,6 +329,8 @@ class LLMEngine:
         produced: list[tuple[Request, list[int]]] = []
         now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
         rounds: list[tuple[int, int, int]] = []  # (drafted, verified, accepted) of this step
+        # rows below this have drafts for the next step (none where the step ran ahead)
+        with_drafts = 0 if advanced or spec is None else spec.rows_with_drafts()
         for i, (row, emitted, verified, drafted) in enumerate(zip(
             sched.rows, result.emitted, result.verified, result.drafted
         )):  # fmt: skip
@@ -363,7 +365,7 @@ class LLMEngine:
             else:
                 # (a step scheduled ahead drafted nothing; the spec decoder's drafting state
                 # is the next step's by now)
-                req.has_drafts = not advanced and spec is not None and spec.drafts_row(i)
+                req.has_drafts = i < with_drafts
                 if running:
                     self.block_manager.cache_full_blocks(req)
             if stream or finished:

@@ -10,6 +10,7 @@ budget uses that stale copy (non-anticipating), the allocation uses the live dev
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -85,7 +86,7 @@ class SpecDecoder(StepPlanning):
                                          sc.draft_skipping and self.tensor_parallel_size == 1,
                                          sc.plain_probes, DECIDE_MIN_S)  # fmt: skip
         self.draft_enabled = True
-        self.probing = False  # a draft probe on a few of the rows while skipping (drafts_row)
+        self.probing = False  # a draft probe on a few of the rows while skipping (rows_with_drafts)
         self.draft_graphs = None
         self.overhead = Overhead()  # scheduler overhead: planning (host), allocation
         self._no_drafts = False
@@ -273,9 +274,13 @@ class SpecDecoder(StepPlanning):
             self.features[slots] = feats
         self.conf[slots] = conf
 
-    def drafts_row(self, i: int) -> bool:
-        """Whether row i of the step just run has drafts for the next step."""
-        return self.draft_enabled and (not self.probing or i < PROBE_ROWS)
+    def rows_with_drafts(self) -> int | float:
+        """The step just run left drafts for the next step in its rows below this: all of
+        them (inf), a probe's first PROBE_ROWS, or none. (Once per step, not per row: the
+        commit loop compares each row's index.)"""
+        if not self.draft_enabled:
+            return 0
+        return PROBE_ROWS if self.probing else math.inf
 
     def _copy_conf_to_host(self) -> None:
         self.host_confs.push(self.conf)
