@@ -101,7 +101,8 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
            "--warmup-tokens-per-level", str(args.warmup_tokens_per_level),
            "--percentiles", "50,99", "--save-result", out, "--label", arm, "--disable-tqdm",
            "--dataset", args.dataset, "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--output-len", str(args.output_len)]
+           "--random-output-len", str(args.output_len), "--output-len", str(args.output_len),
+           "--random-range-ratio", str(args.range_ratio)]
     if args.dataset_path:
         cmd += ["--dataset-path", args.dataset_path]
     if args.load_format == "dummy":  # no tokenizer: send token ids
@@ -254,6 +255,9 @@ def main() -> int:
     a("--dataset-path", default=None)
     a("--input-len", type=int, default=512)
     a("--output-len", type=int, default=256)
+    a("--range-ratio", type=float, default=0.0,
+      help="random dataset: each prompt's input and output lengths drawn from [L(1-R), L(1+R)] "
+           "(closed loops of one output length keep no-spec's requests in lockstep)")
     a("--sweep", default="1,4,16,32,64,128,256")
     a("--num-prompts", type=int, default=16, help="measured requests per level, at least")
     a("--prompts-per-concurrency", type=float, default=2.0,

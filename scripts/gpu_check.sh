@@ -51,6 +51,10 @@
 # "--rounds R" with it measures each level R times per arm and keeps each arm's median round
 # (the trained pair's interleaved run, 405 s with one round, still saw the same host work take
 # 0.6-1.9x as long in one arm as in another within a level: twenty-first session).
+# E2E_ARGS="--num-prompts 16 --warmup 8 --range-ratio 0.5" for synth: prompt and output
+# lengths drawn per request from [L/2, 3L/2], so no-spec's requests leave the lockstep that
+# one output length gives a closed loop (twenty-sixth session: adaptive's steps with prefill
+# cost +1.7% at c = 128 against no-spec's whole-wave admissions).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
 # every second into $OUT/gpu_clocks.csv.
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and

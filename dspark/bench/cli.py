@@ -63,6 +63,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--dataset-path", default=None, help="JSONL for 'prompts'; HumanEval.jsonl[.gz] (optional)")
     a("--random-input-len", type=int, default=1024, help="prompt length (default 1024)")
     a("--random-output-len", type=int, default=128, help="max_tokens (default 128)")
+    a("--random-range-ratio", type=float, default=0.0, metavar="R",
+      help="draw each random prompt's input and output lengths uniformly from "
+           "[L (1 - R), L (1 + R)] (default 0: fixed lengths)")
     a("--random-prompt-type", default="words", choices=["words", "token-ids"],
       help="random words (text) or random token ids (exact length, /v1/completions only)")
     a("--random-token-id-range", type=_int_list, default=[100, 5000], metavar="LO,HI")
@@ -229,9 +232,9 @@ def build_result_doc(args: argparse.Namespace, model: str | None, levels: list,
                      results: list[dict]) -> dict:
     keys = ("base_url", "endpoint", "dataset", "dataset_path", "num_prompts",
             "prompts_per_concurrency", "random_input_len", "random_output_len",
-            "random_prompt_type", "tokenizer", "output_len", "request_rate", "ignore_eos",
-            "temperature", "seed", "warmup", "warmup_tokens_per_level", "percentiles", "label",
-            "extra_body")
+            "random_range_ratio", "random_prompt_type", "tokenizer", "output_len",
+            "request_rate", "ignore_eos", "temperature", "seed", "warmup",
+            "warmup_tokens_per_level", "percentiles", "label", "extra_body")
     config = {k: getattr(args, k, None) for k in keys}
     config.update(model=model, max_concurrency=levels)
     return _finite({"schema_version": SCHEMA_VERSION, "tool": "dspark bench serve",
@@ -256,7 +259,7 @@ def _load_samples(args: argparse.Namespace, levels: list) -> tuple[list, list]:
     counts = [level_num_prompts(args, c) for c in levels]
     if args.dataset == "random":
         rnd = dict(input_len=args.random_input_len, output_len=args.random_output_len,
-                   prompt_type=args.random_prompt_type,
+                   prompt_type=args.random_prompt_type, range_ratio=args.random_range_ratio,
                    token_id_range=tuple(args.random_token_id_range), tokenizer=tokenizer)
         pool = random_dataset(sum(counts), seed=args.seed, **rnd)
         starts = [sum(counts[:i]) for i in range(len(counts))]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,16 +62,27 @@ def random_dataset(
     prompt_type: str = "words",
     token_id_range: tuple[int, int] = (100, 5000),
     tokenizer: Tokenizer | None = None,
+    range_ratio: float = 0.0,
 ) -> list[SampleRequest]:
-    """`num_prompts` independent prompts; the same arguments always give the same list."""
+    """`num_prompts` independent prompts; the same arguments always give the same list.
+    `range_ratio` r > 0: each prompt's input and output lengths are drawn uniformly from
+    [L (1 - r), L (1 + r)] (at least 1) instead of fixed. With one output length, requests
+    of a closed loop start and finish in lockstep, a pattern real traffic does not have."""
     if num_prompts < 0 or input_len < 1 or output_len < 1:
         raise ValueError(
             f"random dataset: need num_prompts >= 0, input_len >= 1 and output_len >= 1, "
             f"got {num_prompts}, {input_len}, {output_len}"
         )
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"random dataset: range_ratio (--random-range-ratio) must be in [0, 1), "
+                         f"got {range_ratio}")
     rng = random.Random(seed)
+    fixed = (input_len, output_len)
     samples = []
     for _ in range(num_prompts):
+        if range_ratio > 0.0:  # (drawn only then: prompts at r = 0 are those of before)
+            input_len = _around(fixed[0], range_ratio, rng)
+            output_len = _around(fixed[1], range_ratio, rng)
         if prompt_type == "token-ids":
             lo, hi = token_id_range
             if not 0 <= lo < hi:
@@ -87,6 +99,11 @@ def random_dataset(
         else:
             raise ValueError(f"random prompt type must be words or token-ids, not {prompt_type!r}")
     return samples
+
+
+def _around(n: int, ratio: float, rng: random.Random) -> int:
+    """A length drawn uniformly from [n (1 - ratio), n (1 + ratio)], at least 1."""
+    return rng.randint(max(1, math.floor(n * (1.0 - ratio))), max(1, math.ceil(n * (1.0 + ratio))))
 
 
 def _fit_to_tokens(
@@ -195,13 +212,13 @@ def load_dataset(
     prompt_type: str = "words",
     token_id_range: tuple[int, int] = (100, 5000),
     tokenizer: Tokenizer | None = None,
+    range_ratio: float = 0.0,
 ) -> list[SampleRequest]:
     """Exactly `num_prompts` samples. `default_max_tokens` applies to `prompts` entries
     without `max_tokens` and to every `humaneval` prompt."""
     if name == "random":
-        return random_dataset(
-            num_prompts, input_len, output_len, seed, prompt_type, token_id_range, tokenizer
-        )
+        return random_dataset(num_prompts, input_len, output_len, seed, prompt_type,
+                              token_id_range, tokenizer, range_ratio)  # fmt: skip
     max_tokens = default_max_tokens or DEFAULT_OUTPUT_LEN
     if name == "prompts":
         if path is None:

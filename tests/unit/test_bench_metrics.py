@@ -334,6 +334,26 @@ def test_random_dataset_deterministic_and_lengths():
         random_dataset(1, 0, 4)
 
 
+def test_random_dataset_range_ratio_varies_lengths_within_bounds():
+    """--random-range-ratio R: input and output lengths drawn per prompt from [L(1-R), L(1+R)]
+    (so a closed loop's requests do not finish in lockstep); R = 0 keeps the prompts of
+    before; R outside [0, 1) is an error naming it."""
+    fixed = random_dataset(50, input_len=40, output_len=100, seed=3)
+    assert random_dataset(50, 40, 100, seed=3, range_ratio=0.0) == fixed
+    varied = random_dataset(400, 40, 100, seed=3, range_ratio=0.5)
+    assert varied == random_dataset(400, 40, 100, seed=3, range_ratio=0.5)
+    outs = [s.max_tokens for s in varied]
+    ins = [s.prompt_len for s in varied]
+    assert all(50 <= n <= 150 for n in outs) and all(20 <= n <= 60 for n in ins)
+    assert all(len(s.prompt.split()) == s.prompt_len for s in varied)
+    # spread over the range, both ends reached (400 uniform draws of 101 values)
+    assert min(outs) <= 55 and max(outs) >= 145 and len(set(outs)) > 60
+    assert all(s.max_tokens >= 1 for s in random_dataset(50, 1, 1, seed=0, range_ratio=0.9))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="range_ratio"):
+            random_dataset(1, 4, 4, range_ratio=bad)
+
+
 def test_prompts_jsonl_loader(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "hello"}\n\n{"prompt": [1, 2, 3], "max_tokens": 7}\n')
