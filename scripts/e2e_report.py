@@ -4,6 +4,7 @@ per-level diagnostics the servers' /metrics gave (see print_table)."""
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -68,7 +69,7 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
         if any(paired):  # the per-round spread a median-round verdict sits in
             print(f"{names[2]} vs best, paired by round (median): " + ", ".join(
                 f"c={lvl['max_concurrency']} " + " / ".join(f"{x:+.1%}" for x in p)
-                + f" ({sorted(p)[(len(p) - 1) // 2]:+.1%})"
+                + f" ({statistics.median_low(p):+.1%})"  # (median_round's lower middle)
                 for lvl, p in zip(levels, paired) if p))  # fmt: skip
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {} for r in results[(names[2], t)]["results"]]  # fmt: skip

@@ -77,25 +77,25 @@ def random_dataset(
         raise ValueError(f"random dataset: range_ratio (--random-range-ratio) must be in [0, 1), "
                          f"got {range_ratio}")
     rng = random.Random(seed)
-    fixed = (input_len, output_len)
     samples = []
     for _ in range(num_prompts):
+        n_in, n_out = input_len, output_len
         if range_ratio > 0.0:  # (drawn only then: prompts at r = 0 are those of before)
-            input_len = _around(fixed[0], range_ratio, rng)
-            output_len = _around(fixed[1], range_ratio, rng)
+            n_in = _around(input_len, range_ratio, rng)
+            n_out = _around(output_len, range_ratio, rng)
         if prompt_type == "token-ids":
             lo, hi = token_id_range
             if not 0 <= lo < hi:
                 raise ValueError(f"random token id range must satisfy 0 <= lo < hi, got {lo},{hi}")
-            ids = [rng.randrange(lo, hi) for _ in range(input_len)]
-            samples.append(SampleRequest(ids, input_len, output_len))
+            ids = [rng.randrange(lo, hi) for _ in range(n_in)]
+            samples.append(SampleRequest(ids, n_in, n_out))
         elif prompt_type == "words":
-            text = " ".join(rng.choice(_WORDS) for _ in range(input_len))
+            text = " ".join(rng.choice(_WORDS) for _ in range(n_in))
             if tokenizer is None:
-                samples.append(SampleRequest(text, input_len, output_len))
+                samples.append(SampleRequest(text, n_in, n_out))
             else:
-                text, n = _fit_to_tokens(text, input_len, tokenizer, rng)
-                samples.append(SampleRequest(text, n, output_len))
+                text, n = _fit_to_tokens(text, n_in, tokenizer, rng)
+                samples.append(SampleRequest(text, n, n_out))
         else:
             raise ValueError(f"random prompt type must be words or token-ids, not {prompt_type!r}")
     return samples
