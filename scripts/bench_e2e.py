@@ -63,6 +63,21 @@ def engine_flags(args) -> list[str]:
     return flags
 
 
+def pinned(args, engine: bool = False) -> dict:
+    """Popen arguments for a server (`engine`: its engine process goes to --engine-cpus, via
+    DSPARK_ENGINE_CPUS) or a client: with --engine-cpus, servers and clients stay off those
+    CPUs, so that every arm's engine runs on the same CPUs and nothing else does."""
+    if not args.engine_cpus:
+        return {}
+    from dspark.engine.cpu_affinity import ENV, parse_cpu_list
+
+    others = os.sched_getaffinity(0) - parse_cpu_list(args.engine_cpus)
+    kw = {"preexec_fn": (lambda: os.sched_setaffinity(0, others))} if others else {}
+    if engine:
+        kw["env"] = dict(os.environ, **{ENV: args.engine_cpus})
+    return kw
+
+
 def serve(args, spec, port, log_path):
     cmd = [sys.executable, "-m", "dspark", "serve", "--model", args.target, "--port", str(port),
            *engine_flags(args)]  # fmt: skip
@@ -73,7 +88,8 @@ def serve(args, spec, port, log_path):
     if not args.engine_process:
         cmd += ["--no-engine-process"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            **pinned(args, engine=True))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
@@ -107,7 +123,7 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
         cmd += ["--dataset-path", args.dataset_path]
     if args.load_format == "dummy":  # no tokenizer: send token ids
         cmd += ["--random-prompt-type", "token-ids"]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=ROOT, **pinned(args))
     return json.load(open(out))
 
 
@@ -284,8 +300,18 @@ def main() -> int:
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--no-engine-process", dest="engine_process", action="store_false",
       help="servers run their engine in a thread (dspark serve --no-engine-process)")
+    a("--engine-cpus", default=None, metavar="LIST",
+      help="every server's engine process on these CPUs (DSPARK_ENGINE_CPUS, e.g. '2'), the "
+           "servers and clients on the others: a CPU's speed is not read as an arm's")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    if args.engine_cpus:
+        from dspark.engine.cpu_affinity import parse_cpu_list
+
+        try:
+            parse_cpu_list(args.engine_cpus)
+        except ValueError as e:
+            ap.error(f"--engine-cpus: {e}")
     if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
         ap.error("--rounds must be >= 1, and above 1 only with --interleave")
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":

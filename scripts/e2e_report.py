@@ -27,17 +27,21 @@ def decision_state(delta: dict, conc: int, temp: float) -> str | None:
     return ms + ("" if ratio is None else f"; {ratio:.2f}")
 
 
-def paired_by_round(levels: list[dict]) -> list[float] | None:
+def paired_by_round(levels: list[dict], against: int | None = None) -> list[float] | None:
     """Adaptive over the better of no-spec and fixed K within each round of one level
     (`levels`: the three arms' results of that level, in `names` order; each holds
-    `rounds_output_throughput` when the level ran in rounds). The arms of a round run back to
-    back, so a host that drifts between rounds moves the three together more than it moves
-    the median rounds, which can each come from a different round. None: no rounds."""
+    `rounds_output_throughput` when the level ran in rounds), or over arm `against` (0:
+    no-spec, 1: fixed K) alone. The arms of a round run back to back, so a host that drifts
+    between rounds moves the three together more than it moves the median rounds, which can
+    each come from a different round. The better of two noisy figures reads high by their
+    noise, so adaptive reads low against it where two arms are close; against one arm the
+    ratio has no such bias. None: no rounds."""
     rounds = [lv.get("rounds_output_throughput") for lv in levels]
     if any(r is None for r in rounds) or len({len(r) for r in rounds}) != 1:
         return None
     nospec, fixed, adaptive = rounds
-    return [a / max(n, f) - 1.0 for n, f, a in zip(nospec, fixed, adaptive)]
+    base = [max(n, f) for n, f in zip(nospec, fixed)] if against is None else rounds[against]
+    return [a / b - 1.0 for a, b in zip(adaptive, base)]
 
 
 def print_table(names: list[str], temps, results, checks, label) -> None:
@@ -71,6 +75,12 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                 f"c={lvl['max_concurrency']} " + " / ".join(f"{x:+.1%}" for x in p)
                 + f" ({statistics.median_low(p):+.1%})"  # (median_round's lower middle)
                 for lvl, p in zip(levels, paired) if p))  # fmt: skip
+            arms = [[paired_by_round([results[(n, t)]["results"][i] for n in names], j)
+                     for i in range(len(levels))] for j in (1, 0)]  # fmt: skip
+            print(f"{names[2]} vs {names[1]} / vs {names[0]}, median of the round pairs: "
+                  + ", ".join(f"c={lvl['max_concurrency']} "
+                              f"{statistics.median_low(f):+.1%} / {statistics.median_low(n):+.1%}"
+                              for lvl, f, n in zip(levels, *arms) if f))  # fmt: skip
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {} for r in results[(names[2], t)]["results"]]  # fmt: skip
         kinds = [d.get("steps_by_kind") for d in deltas]

@@ -31,10 +31,12 @@ def core_process_main(config, cmd_conn, evt_conn, log_level: int, setup=None) ->
     """The child: load, announce, serve until stopped (or orphaned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the server process's call
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    from dspark.engine.cpu_affinity import pin_from_env
     from dspark.engine.engine_core import EngineCore
     from dspark.engine.llm_engine import LLMEngine
 
     try:
+        pin_from_env()  # DSPARK_ENGINE_CPUS (before loading: the loader's threads inherit it)
         engine = LLMEngine(config)
         if setup is not None:
             setup(engine)

@@ -123,3 +123,25 @@ def test_an_orphaned_engine_process_exits(tiny_qwen):
     finals = {o.request_id: o.build() for e in events if e[0] == "outputs" for o in e[1]
               if o.finished}  # fmt: skip
     assert [o.outputs[0].finish_reason for o in finals.values()] == ["abort"]
+
+
+def test_engine_cpus_pin_the_engine_process(tiny_qwen, monkeypatch):
+    """DSPARK_ENGINE_CPUS pins the engine process (not the server's) to the CPUs named."""
+    cpu = max(os.sched_getaffinity(0))
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", str(cpu))
+    core = ProcessCore(EngineConfig(model=tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN))
+    try:
+        assert os.sched_getaffinity(core.proc.pid) == {cpu}
+        assert os.sched_getaffinity(0) != {cpu} or os.cpu_count() == 1  # the server's: as was
+    finally:
+        core._cmd.close()
+        core.proc.join(20)
+
+
+def test_bad_engine_cpus_are_a_plain_error(tiny_qwen, monkeypatch):
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", "2-x")
+    with pytest.raises(RuntimeError, match="DSPARK_ENGINE_CPUS: '2-x'"):
+        ProcessCore(EngineConfig(model=tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN))
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", "100000")
+    with pytest.raises(RuntimeError, match=r"DSPARK_ENGINE_CPUS: CPUs \[100000\] are not av"):
+        ProcessCore(EngineConfig(model=tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN))

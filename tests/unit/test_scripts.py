@@ -116,8 +116,10 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
            "--port", str(_free_port_block(3))]  # fmt: skip
     if synthetic:
         cmd += ["--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3", "--temperatures", "0"]
-    if interleave:  # (two rounds per level: the median of each arm's rounds is kept)
-        cmd += ["--interleave", "--rounds", "2"]
+    cpu = max(os.sched_getaffinity(0))
+    if interleave:  # (two rounds per level: the median of each arm's rounds is kept; every
+        # engine process on one CPU)
+        cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu)]
     else:
         cmd += ["--no-engine-process"]
     # (the engine processes of the interleaved run time their loops: DSPARK_HOST_TIMERS)
@@ -126,6 +128,9 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     if interleave:  # one result file per arm, level and round, in the rotating order
         arms = ["nospec", "fixed7", "adaptive7"]
+        for a in arms:
+            assert f"engine process pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
+                                                                ).read_text(), a  # fmt: skip
         runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
         stamps = []
         for level, r, first in runs:
@@ -139,6 +144,9 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
         # the verdict's spread: adaptive over the better arm within each of the 2 rounds
         paired = [ln for ln in proc.stdout.splitlines() if "paired by round" in ln]
         assert len(paired) == 1 and paired[0].count("%") == 2 * 3 and "c=2 " in paired[0]
+        # ... and against each arm alone: one median per arm and level
+        alone = [ln for ln in proc.stdout.splitlines() if "median of the round pairs" in ln]
+        assert len(alone) == 1 and alone[0].count("%") == 2 * 2 and "c=2 " in alone[0]
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
     temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
@@ -305,6 +313,10 @@ def test_paired_by_round_sets_adaptive_against_the_better_arm_of_each_round():
     assert paired_by_round([nospec, fixed, adaptive]) == pytest.approx([-0.05, -0.25, -0.05])
     assert paired_by_round([fixed, nospec, adaptive]) == pytest.approx([-0.05, -0.25, -0.05])
     assert paired_by_round([nospec, fixed, {"output_throughput": 1.0}]) is None  # no rounds
+    # against one arm alone (0: no-spec, 1: fixed K), round by round
+    assert paired_by_round([nospec, fixed, adaptive], 1) == pytest.approx(
+        [95 / 90 - 1, 150 / 180 - 1, 142.5 / 120 - 1])
+    assert paired_by_round([nospec, fixed, adaptive], 0) == pytest.approx([-0.05, -0.25, -0.05])
 
 
 def _bench_e2e_module():
