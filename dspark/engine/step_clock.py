@@ -10,8 +10,10 @@ slower than no-speculation's by ITL p50, where offline they matched).
 
 Events are read once both have completed (a step's last event may still be in flight when
 its outputs are: the drafter runs after the copy), so nothing here waits for the device.
-Totals per kind (`plain`, `draft`, `verify`, `mixed`: spec/tracing.step_kind) go to the
-engine's stats and /metrics. A gap over MAX_IDLE_MS is the engine waiting for requests, not
+Totals per kind (`plain`, `draft`, `verify`, `mixed`: spec/tracing.step_kind; here a `mixed`
+step whose rows verify drafts is `mixed_verify`, which costs far more than prefill beside plain
+rows) go to the engine's stats and /metrics. A gap over MAX_IDLE_MS is the engine waiting for
+requests, not
 a step waiting for the host: not counted.
 """
 
@@ -65,8 +67,11 @@ class StepClock:
         whose events have completed."""
         if before is None:
             return
-        kind = spec.last_kind if spec is not None else step_kind(host.prefill_tokens(), False,
-                                                                 False)  # fmt: skip
+        if spec is None:
+            kind = step_kind(host.prefill_tokens(), False, False)
+        else:
+            kind = "mixed_verify" if spec.last_kind == "mixed" and spec.last_verifies else (
+                spec.last_kind)  # fmt: skip
         after = self._event()
         after.record()
         self._pending.append((kind, before, after))

@@ -49,7 +49,8 @@ _LABELLED_COUNTERS = {
                    "drafts verified or proposed), draft (proposing only), verify, mixed (with "
                    "prefill chunks).", "kind"),
     "clock_steps": ("dspark_step_clock_steps", "Steps timed by DSPARK_STEP_CLOCK=1, by kind (as "
-                    "dspark_spec_steps; without speculation plain or mixed).", "kind"),
+                    "dspark_spec_steps, mixed steps that verify drafts as mixed_verify; without "
+                    "speculation plain or mixed).", "kind"),
     "clock_busy": ("dspark_step_device_busy_ms", "Device time from a step's first to its last "
                    "enqueued work (DSPARK_STEP_CLOCK=1), by kind.", "kind"),
     "clock_idle": ("dspark_step_device_idle_ms", "Device idle before a step, waiting for the "

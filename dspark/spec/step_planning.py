@@ -43,6 +43,7 @@ class StepPlanning:
     _settled_left = 0  # plans it still stands for (set_cost_model: 0)
     _untrimmed_left = 0  # verify-all plans an untrimmed probe still runs (set_cost_model: 0)
     _untrimmed_probed: dict  # (greedy, bucket) -> observed steps at its last probe
+    last_verifies = False  # whether the step last planned verifies drafts (the step clock)
 
     def plan(self, host) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -71,7 +72,7 @@ class StepPlanning:
             part = ("decision" if decide
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
             self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
-        verifies = budget != 0 and total > 0
+        verifies = self.last_verifies = budget != 0 and total > 0
         self.last_kind = step_kind(other, verifies, self.draft_enabled)
         self.step_counts[self.last_kind] += 1
         return budget

@@ -37,11 +37,11 @@ class FakeDevice:
         return Event()
 
 
-def step(clock, dev, host_ms, device_ms, kind):
+def step(clock, dev, host_ms, device_ms, kind, verifies=False):
     dev.now += host_ms  # the host packs and plans
     before = clock.begin()
     dev.work(device_ms)
-    clock.end(before, None, SimpleNamespace(last_kind=kind))
+    clock.end(before, None, SimpleNamespace(last_kind=kind, last_verifies=verifies))
 
 
 def test_busy_and_idle_per_kind_are_read_once_complete():
@@ -63,6 +63,20 @@ def test_busy_and_idle_per_kind_are_read_once_complete():
     dev.now += 10.0
     clock.collect()
     assert clock.snapshot()["plain"] == {"steps": 3, "busy_ms": 15.0, "idle_ms": 1.0}
+
+
+def test_steps_with_prefill_that_verify_drafts_are_their_own_kind():
+    """A `mixed` step whose rows verify drafts is `mixed_verify`: beside a prefill chunk, the
+    drafts add up to K tokens a row (the 8B shape at 256 requests: ~2k tokens)."""
+    dev = FakeDevice()
+    clock = StepClock(event_factory=dev.event)
+    step(clock, dev, 0.0, 3.0, "mixed", verifies=False)
+    step(clock, dev, 0.0, 7.0, "mixed", verifies=True)
+    step(clock, dev, 0.0, 1.0, "verify", verifies=True)
+    dev.now = 100.0
+    clock.collect()
+    assert {k: v["busy_ms"] for k, v in clock.snapshot().items()} == {
+        "mixed": 3.0, "mixed_verify": 7.0, "verify": 1.0}
 
 
 def test_a_disabled_clock_records_nothing():
