@@ -13,8 +13,7 @@ its outputs are: the drafter runs after the copy), so nothing here waits for the
 Totals per kind (`plain`, `draft`, `verify`, `mixed`: spec/tracing.step_kind; here a `mixed`
 step whose rows verify drafts is `mixed_verify`, which costs far more than prefill beside plain
 rows) go to the engine's stats and /metrics. A gap over MAX_IDLE_MS is the engine waiting for
-requests, not
-a step waiting for the host: not counted.
+requests, not a step waiting for the host: not counted.
 """
 
 from __future__ import annotations
