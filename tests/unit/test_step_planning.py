@@ -183,3 +183,34 @@ def _steep_decode_step(tiny_qwen, drafter, source: str):
                 if h.prefill_tokens() == 0 and h.get("num_draft_fills") > 0)  # fmt: skip
     spec.plan, spec.drafting.due = plan, lambda num_reqs: False
     return spec, table, host
+
+
+def test_plain_steps_plan_without_reading_the_terms(tiny_qwen, drafter, tmp_path):
+    """While drafting is off a plain step has nothing to verify and no budget to search: its
+    plan reads neither the learned terms nor the planner, unless the drafting decision is due
+    or the sampling mode changed (the drafter's price, which step_tag reads, is per mode).
+    Output unchanged."""
+    # the drafter costs 50 ms a step beside a 1 ms forward: drafting never pays
+    path = _table(tmp_path, "dear", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=1.0, draft_base_ms=50.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256)
+    spec, hosts = llm.engine.runner.spec, []
+    pack = spec.plan
+    spec.plan = lambda host: hosts.append(host) or pack(host)
+    outs, plans = _run(llm)
+    plain = LLM(tiny_qwen, device="cpu").generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))  # fmt: skip
+    assert outs == [o.outputs[0].token_ids for o in plain]  # lossless
+    idle = [p for p in plans if p[1] == 0 and p[2] == 0 and not p[4]]
+    assert len(idle) >= len(plans) // 2, (len(idle), len(plans))  # drafting was off
+    assert all(not p[3] and p[5] == 0 for p in idle)
+    assert all(p[3] for p in plans if p[4] or p[2] > 0)  # decisions and prefill re-read
+    # a plain step after a sampled one (another mode) re-reads: it reprices the drafter
+    host = hosts[[i for i, p in enumerate(plans) if p in idle][-1]]
+    apply_terms, reads = spec._apply_terms, []
+    spec._apply_terms = lambda *a: reads.append(a) or apply_terms(*a)
+    spec.fixed_costs = spec._fixed_by_mode[False]
+    spec.drafting._since_decision = 0  # (no decision due)
+    assert pack(host) == 0 and len(reads) == 1 and spec.fixed_costs is spec._fixed_by_mode[True]
+    assert pack(host) == 0 and len(reads) == 1  # ... and the next one reads nothing
