@@ -326,10 +326,9 @@ class StepGraphs(StepGraphCapture):
             out, num_out = spec.verify(logits, inp)
             spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
                                        rn.backend)  # fmt: skip
-            anchors, anchor_pos = next_anchors(inp.anchor_pos, out, num_out)
-            self.anchors[: inp.num_reqs].copy_(anchors)
-            # padding rows (no tokens) would sit at position -1: give them an empty context
-            self.anchor_pos[: inp.num_reqs].copy_(anchor_pos.clamp(min=0))
+            # (into the persistent buffers the draft graph reads; padding rows: position 0)
+            next_anchors(inp.anchor_pos, out, num_out, self.anchors[: inp.num_reqs],
+                         self.anchor_pos[: inp.num_reqs])  # fmt: skip
         if rn.feeds_pending:
             record_emitted(rn.last_tokens, inp, out, num_out)
         return pack_outputs(out, num_out, inp.lengths)

@@ -109,10 +109,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, rotary):
+        """(mlp output, residual) as the next layer takes them, and this layer's input: the sum
+        hidden + residual of the pair passed in, i.e. the previous layer's output (what the
+        drafter's context is built from, taken here instead of added again)."""
         hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        layer_input = residual
         hidden = self.self_attn(positions, hidden, rotary)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden), residual, layer_input
 
 
 class CausalLM(nn.Module):
@@ -162,16 +166,15 @@ class CausalLM(nn.Module):
         concatenated outputs of those decoder layers [T, len(aux_layer_ids) * d]."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        aux: list[torch.Tensor] = []
-        wanted = set(aux_layer_ids)
+        wanted, by_layer = set(aux_layer_ids), {}
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, self.rotary)
-            if i in wanted:
-                aux.append((i, hidden + residual))
-        hidden, _ = self.norm.add_forward(hidden, residual)
+            hidden, residual, layer_input = layer(positions, hidden, residual, self.rotary)
+            if i - 1 in wanted:  # layer i - 1's output: the residual add that starts layer i
+                by_layer[i - 1] = layer_input  # made it (no add of its own: a kernel less)
+        hidden, last_output = self.norm.add_forward(hidden, residual)
         if not aux_layer_ids:
             return hidden, None
-        by_layer = dict(aux)
+        by_layer[len(self.layers) - 1] = last_output
         return hidden, torch.cat([by_layer[i] for i in aux_layer_ids], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -313,9 +313,20 @@ def verify_greedy(
     return torch.where(keep, argmax, out), emitted
 
 
-def next_anchors(anchor_pos: torch.Tensor, out: torch.Tensor, num_out: torch.Tensor):
+def next_anchors(anchor_pos: torch.Tensor, out: torch.Tensor, num_out: torch.Tensor,
+                 anchors_out: torch.Tensor | None = None,
+                 pos_out: torch.Tensor | None = None):  # fmt: skip
     """Each row's next anchor (the token it emitted last, from `verify`'s outputs) and that
-    token's position."""
-    last = (num_out - 1).clamp(min=0)
-    anchors = out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0)
-    return anchors, anchor_pos + num_out
+    token's position. With `anchors_out` and `pos_out` (int64 [R], contiguous: the whole-step
+    graphs' persistent buffers) both are written there, with no copies, the positions clamped
+    at 0 (a padding row emits nothing and would sit at -1: an empty context). Six small
+    kernels: every speculative engine's step runs them, plain steps included."""
+    last = num_out - 1
+    last.clamp_(min=0)
+    if anchors_out is None:
+        return out.gather(1, last.unsqueeze(1)).squeeze(1).clamp(min=0), anchor_pos + num_out
+    torch.gather(out, 1, last.unsqueeze(1), out=anchors_out.unsqueeze(1))
+    anchors_out.clamp_(min=0)
+    torch.add(anchor_pos, num_out, out=pos_out)
+    pos_out.clamp_(min=0)
+    return anchors_out, pos_out

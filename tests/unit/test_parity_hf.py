@@ -73,3 +73,41 @@ def test_preemption_by_recompute_keeps_outputs(ckpt_dir):
     assert llm.engine.stats["preemptions"] > 0
     llm.engine.block_manager.check_integrity()
     assert llm.engine.block_manager.num_free_blocks == 23
+
+
+@pytest.mark.parametrize("shape", ["qwen3_gqa2", "llama3_rope_gqa2"])
+def test_aux_hidden_states_are_the_hf_layers_outputs(ckpt_dir, shape):
+    """What the drafter's context is built from: each requested decoder layer's output (its
+    hidden + residual, as an HF layer returns it), the last layer's included, taken from the
+    residual add that follows each layer."""
+    path = ckpt_dir(shape)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    n_layers = hf.config.num_hidden_layers
+    ids = list(range(20, 57))
+    outputs = {}
+    hooks = [hf.model.layers[i].register_forward_hook(
+        lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        for i in range(n_layers)]  # fmt: skip
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    llm = LLM(path, device="cpu", max_num_batched_tokens=512)
+    runner, seen = llm.engine.runner, []
+    wanted = (n_layers - 1, 0, 1) if n_layers > 2 else (n_layers - 1, 0)
+    runner.aux_layer_ids = wanted
+    forward = runner.eager_forward
+
+    def capturing(input_ids, md):
+        hidden, aux = forward(input_ids, md)
+        seen.append(aux)
+        return hidden, aux
+
+    runner.eager_forward = capturing
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1))
+    aux = seen[0]  # the prefill step: the prompt's tokens in order
+    d = hf.config.hidden_size
+    assert aux.shape == (len(ids), len(wanted) * d)
+    for j, layer in enumerate(wanted):
+        torch.testing.assert_close(aux[:, j * d : (j + 1) * d], outputs[layer][0],
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
