@@ -344,6 +344,34 @@ def test_the_term_is_a_kinds_mean_cost_tail_included():
         (-0.3 - 0.2 - 0.25 - 0.3 + (-0.3 - 3 * 0.05)) / 5)  # (q1 = -0.3, q3 = -0.25)
 
 
+def test_terms_read_at_any_time_are_the_windows_fenced_means():
+    """The terms are computed when read (an observed step only marks its bucket): read
+    between observations, through every accessor, in any order, each is its window's fenced
+    mean, and a bucket observed but never read is fresh when first read."""
+    from dspark.spec.online_cost import WARMUP_STEPS, WINDOW, FixedCosts, bucket_label
+
+    fc = FixedCosts()
+    for _ in range(WARMUP_STEPS):
+        fc.observe("spec", 0.0, 4)
+    rng = np.random.default_rng(3)
+    seen = {("spec", 4): [], ("spec", 32): [], ("plain", 4): []}
+    for step in range(3 * WINDOW):
+        for (kind, n), window in seen.items():
+            r = float(rng.normal(0.2, 0.05)) + (2.0 if step % 9 == 0 else 0.0)
+            fc.observe(kind, r, n)
+            window.append(r)
+        if step % 4 == 1:  # read some of the time, through different accessors
+            assert fc.get("spec", 4) == pytest.approx(_fenced_mean(seen["spec", 4][-WINDOW:]))
+        if step % 7 == 3:
+            snap = fc.snapshot()
+            assert snap["plain"][bucket_label(3)] == pytest.approx(
+                _fenced_mean(seen["plain", 4][-WINDOW:]))  # fmt: skip
+    # ("spec", 32) was never read until now
+    assert fc.get("spec", 32) == pytest.approx(_fenced_mean(seen["spec", 32][-WINDOW:]))
+    assert fc.speculative(4) == pytest.approx(_fenced_mean(seen["spec", 4][-WINDOW:]))
+    assert sorted(fc.snapshot()["spec"]) == sorted([bucket_label(3), bucket_label(6)])
+
+
 def test_a_bucket_measured_a_few_times_defers_to_a_measured_neighbour():
     """Batch sizes a server passes through (requests finishing and arriving) are measured a
     few times in those moments: their term is used once measured MIN_SAMPLES times, before
