@@ -111,10 +111,20 @@ class ThreadCore:
         self._thread: threading.Thread | None = None
 
     def start(self, on_events) -> None:
+        from dspark.engine.cpu_affinity import cpus_from_env, pin
+
+        cpus = cpus_from_env()  # (DSPARK_ENGINE_CPUS: a bad list fails here, plainly)
         self.core = EngineCore(self.engine, on_events)
         on_events([("snapshot", self.core.snapshot())])  # /metrics has counters at once
         self._thread = threading.Thread(target=self.core.run, name="dspark-engine", daemon=True)
         self._thread.start()
+        if cpus is not None:  # the engine's thread alone (the server's threads stay as they are)
+            try:
+                pin(cpus, self._thread.native_id)
+            except ValueError:
+                self.core.submit(("stop",))
+                self._thread.join(10)
+                raise
 
     def submit(self, cmd: tuple) -> None:
         if self.core is not None:  # (before start: nothing to drain or stop)

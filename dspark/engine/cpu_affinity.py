@@ -1,4 +1,6 @@
-"""Pin the engine process to chosen CPUs: DSPARK_ENGINE_CPUS="2" (or "2,3", "4-7,12").
+"""Pin the engine to chosen CPUs: DSPARK_ENGINE_CPUS="2" (or "2,3", "4-7,12"). The engine
+process is pinned whole; an engine in a thread of the server (--no-engine-process), that
+thread alone.
 
 The engine loop is single-threaded Python; where steps are short its speed is the speed of
 the CPU it runs on. On the H200 machine the same Python work ran up to 2x slower on some
@@ -36,19 +38,29 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def pin_from_env() -> set[int] | None:
-    """Pin the calling process (its threads started later inherit it) to the CPUs in
-    DSPARK_ENGINE_CPUS; None when unset. Raises ValueError on a bad list or CPUs this
-    process may not run on. (The CPUs need not be among the parent's: a benchmark keeps its
-    servers off the engines' CPUs, scripts/bench_e2e.py.)"""
+def cpus_from_env() -> set[int] | None:
+    """The CPUs DSPARK_ENGINE_CPUS names (None when unset); ValueError on a bad list."""
     text = os.environ.get(ENV, "").strip()
-    if not text:
-        return None
-    cpus = parse_cpu_list(text)
+    return parse_cpu_list(text) if text else None
+
+
+def pin(cpus: set[int], tid: int = 0) -> None:
+    """Pin a thread (`tid`: its native id; 0, the calling one; threads it starts later
+    inherit it) to `cpus`. The CPUs need not be among its parent's: a benchmark keeps its
+    servers off the engines' CPUs (scripts/bench_e2e.py). ValueError naming
+    DSPARK_ENGINE_CPUS where they are not available."""
     try:
-        os.sched_setaffinity(0, cpus)
+        os.sched_setaffinity(tid, cpus)
     except OSError as e:  # (EINVAL: none of them online, or outside this machine's cpuset)
         raise ValueError(f"{ENV}: CPUs {sorted(cpus)} are not available to this process "
                          f"({e.strerror})") from None  # fmt: skip
-    logger.info("engine process pinned to CPUs %s (%s)", sorted(cpus), ENV)
+    logger.info("engine pinned to CPUs %s (%s)", sorted(cpus), ENV)
+
+
+def pin_from_env() -> set[int] | None:
+    """Pin the calling thread (the engine process's main one) to DSPARK_ENGINE_CPUS; None
+    when unset."""
+    cpus = cpus_from_env()
+    if cpus is not None:
+        pin(cpus)
     return cpus

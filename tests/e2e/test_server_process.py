@@ -138,6 +138,32 @@ def test_engine_cpus_pin_the_engine_process(tiny_qwen, monkeypatch):
         core.proc.join(20)
 
 
+def test_engine_cpus_pin_an_engine_thread_alone(tiny_qwen, monkeypatch):
+    """With the engine in a thread of the server (--no-engine-process) only that thread is
+    pinned; the server's own threads keep their CPUs, and it still serves."""
+    cpu = max(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", str(cpu))
+    with run_server(tiny_qwen, engine_process=False) as srv:
+        assert os.sched_getaffinity(srv.engine.core._thread.native_id) == {cpu}
+        assert os.sched_getaffinity(0) == before
+        assert _greedy(srv, "def add(a, b):", max_tokens=4)[1] == 4
+
+
+def test_bad_engine_cpus_stop_an_engine_thread_before_it_serves(tiny_qwen, monkeypatch):
+    from dspark.engine.async_engine import ThreadCore
+
+    core = ThreadCore(LLM(tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN).engine)
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", "1-")
+    with pytest.raises(ValueError, match="DSPARK_ENGINE_CPUS: '1-'"):
+        core.start([].extend)
+    assert not core.is_alive()  # (never started)
+    monkeypatch.setenv("DSPARK_ENGINE_CPUS", "100000")
+    with pytest.raises(ValueError, match=r"DSPARK_ENGINE_CPUS: CPUs \[100000\] are not av"):
+        core.start([].extend)
+    assert not core.is_alive()  # started, then stopped
+
+
 def test_bad_engine_cpus_are_a_plain_error(tiny_qwen, monkeypatch):
     monkeypatch.setenv("DSPARK_ENGINE_CPUS", "2-x")
     with pytest.raises(RuntimeError, match="DSPARK_ENGINE_CPUS: '2-x'"):

@@ -129,7 +129,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     if interleave:  # one result file per arm, level and round, in the rotating order
         arms = ["nospec", "fixed7", "adaptive7"]
         for a in arms:
-            assert f"engine process pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
+            assert f"engine pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
                                                                 ).read_text(), a  # fmt: skip
         runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
         stamps = []
