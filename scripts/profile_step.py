@@ -102,22 +102,25 @@ def host_timers(llm: LLM, args, temp: float, label: str) -> str:
     import dspark.engine.model_runner as mr
 
     eng, spec = llm.engine, llm.engine.runner.spec
-    if spec is None:
-        return ""
     # the whole call, then its parts: a step = schedule + launch (plan, pack, upload, graph
-    # start) + outputs built + commit_launched (the wait for the device + commit)
-    parts = [(eng, "_step"), (eng, "_schedule"), (eng.runner, "launch"), (spec, "plan"),
-             (spec, "_plan"), (spec.planner, "plan_cpu"), (spec.drafting, "survey"),
-             (spec.drafting, "after_plan"), (mr, "pack_step"), (mr, "upload_step"),
-             (spec, "choose_lengths"), (eng, "_deliver_outputs"), (eng, "_commit_launched"),
-             (eng, "_commit"), (spec, "observe_step_time")]  # fmt: skip
+    # start) + outputs built + commit_launched (the wait for the device + commit); the
+    # speculative decoder's parts where there is one (no-spec: the engine's alone, to set
+    # against an adaptive engine's plain steps)
+    parts = [(eng, "_step"), (eng, "_schedule"), (eng.runner, "launch"), (mr, "pack_step"),
+             (mr, "upload_step"), (eng, "_deliver_outputs"), (eng, "_commit_launched"),
+             (eng, "_commit")]  # fmt: skip
+    if spec is not None:
+        parts += [(spec, "plan"), (spec, "_plan"), (spec.planner, "plan_cpu"),
+                  (spec.drafting, "survey"), (spec.drafting, "after_plan"),
+                  (spec, "choose_lengths"), (spec, "observe_step_time")]  # fmt: skip
     graphs = eng.runner.step_graphs
     if graphs is not None:
         import dspark.engine.step_graph as sg
 
-        parts += [(graphs, "start"), (graphs, "_replay"), (graphs, "allocation_ms"),
-                  (sg, "fill_host"), (spec, "_copy_conf_to_host"),
+        parts += [(graphs, "start"), (graphs, "_replay"), (sg, "fill_host"),
                   (torch.cuda.CUDAGraph, "replay")]  # fmt: skip
+        if spec is not None:
+            parts += [(graphs, "allocation_ms"), (spec, "_copy_conf_to_host")]
 
     def timer_name(o, n: str) -> str:  # Class.method, module.function
         return f"{o.__name__ if isinstance(o, type) else type(o).__name__}.{n}"

@@ -62,6 +62,12 @@ def test_profile_step_smoke(tmp_path):
     # the host time per phase of each arm is printed too (not only in the file)
     assert "### fixed T=0" in proc.stdout
     assert re.search(r"^  commit +[0-9.]+ us host per step", proc.stdout, re.M)
+    # ... and the timed host parts of every arm, no-spec's without the decoder's
+    timers = proc.stdout.split("### host timers ")[1:]
+    assert [t.split(" at ")[0] for t in timers] == ["nospec T=0", "nospec T=1", "fixed T=0",
+                                                    "fixed T=1"]  # fmt: skip
+    assert all(re.search(r"LLMEngine\._step +[0-9.]+ us per step", t) for t in timers)
+    assert ["SpecDecoder.plan" in t for t in timers] == [False, False, True, True]
 
 
 def test_profile_mixed_smoke(tmp_path):
