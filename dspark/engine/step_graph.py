@@ -53,7 +53,7 @@ from dspark.engine.input_batch import (
     record_emitted,
     resolve_pending,
 )
-from dspark.engine.step_graph_capture import MIXED, StepGraphCapture, mixed_graphs_enabled
+from dspark.engine.step_graph_capture import IDLE, MIXED, StepGraphCapture, mixed_graphs_enabled
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
@@ -137,7 +137,10 @@ class StepGraphs(StepGraphCapture):
         if g("max_query_len") > (1 + self.k if g("max_capacity") > 0 else 1):
             return self._mixed_key(host, budget, rb, mode)  # (prefill chunks)
         if g("max_capacity") == 0:
-            return "plain", rb, mode
+            # a plain step that does not draft (drafting off) leaves the next anchors unwritten
+            # (a step that drafts writes its own first): its own graph, six kernels fewer
+            return ("plain", rb, mode) if spec is None or self.proposes() else (
+                "plain", rb, mode, IDLE)  # fmt: skip
         if spec.sc.adaptive_policy not in ("fixed", "lagged"):
             return None  # threshold / early-stop choose lengths on the device: eager
         tb = self._trim_bucket(rb, host.forward_tokens(budget))
@@ -326,9 +329,10 @@ class StepGraphs(StepGraphCapture):
             out, num_out = spec.verify(logits, inp)
             spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
                                        rn.backend)  # fmt: skip
-            # (into the persistent buffers the draft graph reads; padding rows: position 0)
-            next_anchors(inp.anchor_pos, out, num_out, self.anchors[: inp.num_reqs],
-                         self.anchor_pos[: inp.num_reqs])  # fmt: skip
+            if key[-1] != IDLE:  # (into the persistent buffers the draft graph reads, which
+                # only a step that drafts replays; padding rows: position 0)
+                next_anchors(inp.anchor_pos, out, num_out, self.anchors[: inp.num_reqs],
+                             self.anchor_pos[: inp.num_reqs])  # fmt: skip
         if rn.feeds_pending:
             record_emitted(rn.last_tokens, inp, out, num_out)
         return pack_outputs(out, num_out, inp.lengths)

@@ -17,6 +17,7 @@ from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.step_layout import ROW_FIELDS
 
 MIXED = ("mixed", "mixed_plain")  # families of steps with prefill chunks (step_graph.py)
+IDLE = "idle"  # last element of the key of a plain step that does not draft (key_for)
 # steps with prefill chunks captured at start-up: up to this many tokens beyond the request
 # bucket's decode/verify stream (a typical step admits one or two prompts); larger ones take
 # the per-phase path (StepGraphs.mixed_keys), never a first-use capture
@@ -41,13 +42,14 @@ class StepGraphCapture:
                                                    self.spec.draft_method(False)}  # fmt: skip
         trims = trims and self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
         for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
-            for family in families:
-                for mode in ("greedy", "sample"):
-                    key = (family, rb, mode)
-                    self._dummy_inputs(key)
-                    if self.spec is not None:
-                        self.spec._no_drafts = family == "plain"
-                    self._replay(key, lambda key=key: self._step(key))
+            keys = [(family, rb, mode) for family in families for mode in ("greedy", "sample")]
+            if self.spec is not None:  # plain steps that do not draft (StepGraphs.key_for)
+                keys += [("plain", rb, mode, IDLE) for mode in ("greedy", "sample")]
+            for key in keys:
+                self._dummy_inputs(key)
+                if self.spec is not None:
+                    self.spec._no_drafts = key[0] == "plain"
+                self._replay(key, lambda key=key: self._step(key))
             for tb in self.trim_buckets(rb) if trims else ():
                 for mode in ("greedy", "sample"):
                     key = ("trim", rb, mode, tb)

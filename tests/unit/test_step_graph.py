@@ -482,3 +482,42 @@ def test_steps_with_prefill_chunks_beyond_the_startup_keys_take_the_per_phase_pa
     assert ("mixed_plain", 8, "greedy", 32) in sg.mixed_keys
     assert not any(key[0].startswith("mixed") and key[3] > 40 for key in used), used
     assert used  # (the decode steps still take the graphs)
+
+
+def test_plain_steps_that_do_not_draft_leave_the_anchors_alone(tiny_qwen, drafter):
+    """A plain step while drafting is off runs its own graph (key ending "idle") without the
+    next anchors: only a step that drafts replays the drafter, and it writes its own first.
+    Drafting held off for the first decode steps, then on: the idle steps leave the anchor
+    buffers as they were, the first plain step that drafts writes them, and the tokens are
+    those of the eager path."""
+    spec = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged"}
+    ref, _, _ = _generate(tiny_qwen, spec | {"draft_skipping": False}, 0.0, step_graphs=False)
+    llm = _llm(tiny_qwen, spec, step_graphs=True)
+    runner = llm.engine.runner
+    sg, sd = runner.step_graphs, runner.spec
+    plans = {"n": 0}
+
+    def held(decide, cost, fixed, online, n, n_sampling, other):
+        plans["n"] += 1
+        return plans["n"] > 6, False  # off for the first 6 plans, then on for good
+
+    sd.drafting.after_plan = held
+    step, seen = sg._step, []
+
+    def spy(key):
+        before = (sg.anchors.clone(), sg.anchor_pos.clone())
+        out = step(key)
+        seen.append((key, not (torch.equal(sg.anchors, before[0])
+                               and torch.equal(sg.anchor_pos, before[1]))))  # fmt: skip
+        return out
+
+    sg._step = spy
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, seed=11 + i)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    idle = [moved for key, moved in seen if key[-1] == "idle"]
+    assert len(idle) >= 3 and not any(idle)  # decode steps while off: anchors untouched
+    drafting = [i for i, (key, _) in enumerate(seen) if key[0] == "plain" and key[-1] != "idle"]
+    assert drafting and seen[drafting[0]][1]  # the first plain step that drafts writes them
+    assert any(key[0] == "spec" for key, _ in seen)  # ... and the next steps verify its drafts
