@@ -40,10 +40,13 @@ class StepGraphCapture:
         families = ("plain",) if self.spec is None else ("plain", "spec")
         methods = set() if self.spec is None else {self.spec.draft_method(True),
                                                    self.spec.draft_method(False)}  # fmt: skip
-        trims = trims and self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
+        lagged = self.spec is not None and self.spec.sc.adaptive_policy == "lagged"
+        trims = trims and lagged
+        # plain steps that do not draft (StepGraphs.key_for): only where drafting can be off
+        idle = lagged and self.spec.drafting.enabled
         for rb in reversed(self.buckets):  # largest first: the pool fits every later graph
             keys = [(family, rb, mode) for family in families for mode in ("greedy", "sample")]
-            if self.spec is not None:  # plain steps that do not draft (StepGraphs.key_for)
+            if idle:
                 keys += [("plain", rb, mode, IDLE) for mode in ("greedy", "sample")]
             for key in keys:
                 self._dummy_inputs(key)

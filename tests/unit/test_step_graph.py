@@ -521,3 +521,18 @@ def test_plain_steps_that_do_not_draft_leave_the_anchors_alone(tiny_qwen, drafte
     drafting = [i for i, (key, _) in enumerate(seen) if key[0] == "plain" and key[-1] != "idle"]
     assert drafting and seen[drafting[0]][1]  # the first plain step that drafts writes them
     assert any(key[0] == "spec" for key, _ in seen)  # ... and the next steps verify its drafts
+
+
+@pytest.mark.parametrize("name,idle", [("lagged", True), ("lagged_always_drafting", False),
+                                       ("fixed", False), ("nospec", False)])  # fmt: skip
+def test_idle_plain_graphs_are_captured_where_drafting_can_be_off(tiny_qwen, drafter, name,
+                                                                  idle):  # fmt: skip
+    specs = dict(SPECS, lagged_always_drafting=dict(SPECS["lagged"], draft_skipping=False))
+    spec = None if specs[name] is None else {"model": drafter, **specs[name]}
+    sg = _llm(tiny_qwen, spec, step_graphs=True).engine.runner.step_graphs
+    keys, replay = [], sg._replay
+    sg._replay = lambda key, fn: keys.append(key) or replay(key, fn)
+    sg.capture_all(trims=False)
+    captured = {k for k in keys if k[0] == "plain" and k[-1] == "idle"}
+    assert captured == ({("plain", rb, m, "idle") for rb in sg.buckets
+                         for m in ("greedy", "sample")} if idle else set())  # fmt: skip
