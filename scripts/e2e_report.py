@@ -68,15 +68,15 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
             best = max(tput[0], tput[1])
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
                   + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
-        paired = [paired_by_round([results[(n, t)]["results"][i] for n in names])
-                  for i in range(len(levels))]  # fmt: skip
+        by_level = [[results[(n, t)]["results"][i] for n in names] for i in range(len(levels))]
+        paired = [paired_by_round(arms_of_level) for arms_of_level in by_level]
         if any(paired):  # the per-round spread a median-round verdict sits in
             print(f"{names[2]} vs best, paired by round (median): " + ", ".join(
                 f"c={lvl['max_concurrency']} " + " / ".join(f"{x:+.1%}" for x in p)
                 + f" ({statistics.median_low(p):+.1%})"  # (median_round's lower middle)
                 for lvl, p in zip(levels, paired) if p))  # fmt: skip
-            arms = [[paired_by_round([results[(n, t)]["results"][i] for n in names], j)
-                     for i in range(len(levels))] for j in (1, 0)]  # fmt: skip
+            arms = [[paired_by_round(arms_of_level, j) for arms_of_level in by_level]
+                    for j in (1, 0)]  # fmt: skip
             print(f"{names[2]} vs {names[1]} / vs {names[0]}, median of the round pairs: "
                   + ", ".join(f"c={lvl['max_concurrency']} "
                               f"{statistics.median_low(f):+.1%} / {statistics.median_low(n):+.1%}"
