@@ -12,7 +12,7 @@ H200 host's serving loop, twenty-fifth session), most of it such steps. A standi
 terms at most SETTLED_PLANS - 1 plans old (the fixed term is a fenced mean of 15 steps and moves
 little in that time); a decision step re-reads everything. Likewise a plain step while
 drafting is off (nothing to verify, no decision due) reads neither the terms nor the planner:
-2.8-4.1 -> 1.7 µs a plan on the development machine, where the H200 host's serving loop spent
+2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the H200 host's serving loop spent
 25-46 µs planning each of the demo pair's plain steps (twenty-seventh session). Lossless
 either way: the budget only says how many drafts are verified.
 """
@@ -61,20 +61,16 @@ class StepPlanning:
         standing = (lagged and not decide and other == 0 and self._settled_left > 0
                     and self._settled_shape == (n, total, greedy))  # fmt: skip
         # nothing to verify and no decision due (every step while drafting is off): no budget
-        # to search, so the terms and the planner are not read; the next plan that reads
-        # them applies them first. A change of sampling mode takes the full path (it reprices
-        # the drafter, which step_tag reads)
+        # to search (_plan returns 0 at once), so the terms are not applied; the next plan
+        # that reads them applies them first. A change of sampling mode applies them (it
+        # reprices the drafter, which step_tag reads)
         idle = lagged and total == 0 and not decide and greedy == self.fixed_costs.greedy
         if self.cost is not None:
             self.cost.set_step_context(context)  # (its KV read, priced: step_tag reads it)
             if not (standing or idle):
                 self._apply_terms(n, greedy)
         budget = None
-        if idle:
-            self._settled_left = 0  # (as _plan: a plain step ends any standing plan)
-            budget = self._after_budget(0, 0, False, n, n_sampling, other)
-            self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
-        elif standing:
+        if standing:
             self._settled_left -= 1
             budget = self._after_budget(total, total, False, n, n_sampling, 0)
             self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
