@@ -88,8 +88,13 @@ def serve(args, spec, port, log_path):
     if not args.engine_process:
         cmd += ["--no-engine-process"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            **pinned(args, engine=True))  # fmt: skip
+    kw = pinned(args, engine=True)
+    if os.environ.get("DSPARK_STEP_CLOCK", "0") not in ("0", ""):  # every step, beside the log
+        steps = f"{log_path}.steps"  # (appended to by the engine: a new file per server)
+        if os.path.exists(steps):
+            os.remove(steps)
+        kw["env"] = dict(kw.get("env", os.environ), DSPARK_STEP_CLOCK_LOG=steps)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, **kw)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:

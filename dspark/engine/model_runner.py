@@ -261,7 +261,7 @@ class ModelRunner:
             except CaptureFailed:
                 pass  # logged; the step runs on the per-phase path below
             else:
-                self.step_clock.end(clock, host, self.spec)
+                self.step_clock.end(clock, host, self.spec, plan)
                 width = self.step_graphs.width(key)
                 # the cost model's input: the packed count would price a trimmed step as
                 # verify-all (its learned fixed term then went far negative on the H200)
@@ -278,7 +278,7 @@ class ModelRunner:
                 def wait_step():
                     return result
 
-        self.step_clock.end(clock, host, self.spec)
+        self.step_clock.end(clock, host, self.spec, plan)
 
         def wait() -> StepResult:
             host_out, inp, width = wait_step()

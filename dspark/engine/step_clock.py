@@ -14,6 +14,11 @@ Totals per kind (`plain`, `draft`, `verify`, `mixed`: spec/tracing.step_kind; he
 step whose rows verify drafts is `mixed_verify`, which costs far more than prefill beside plain
 rows) go to the engine's stats and /metrics. A gap over MAX_IDLE_MS is the engine waiting for
 requests, not a step waiting for the host: not counted.
+
+With DSPARK_STEP_CLOCK_LOG=PATH as well, every step read is also written to PATH as one line
+`kind requests forward_tokens prefill_tokens busy_ms idle_ms` (idle -1: a gap not counted),
+so that steps of two engines can be compared at the same batch shape (per-kind means mix
+batch sizes: an adaptive engine drafts only below some batch size, no-spec at every size).
 """
 
 from __future__ import annotations
@@ -24,21 +29,26 @@ from collections import deque
 from dspark.spec.tracing import step_kind
 
 ENV = "DSPARK_STEP_CLOCK"
+LOG_ENV = "DSPARK_STEP_CLOCK_LOG"
 MAX_IDLE_MS = 100.0
 
 
 def clock_for(device) -> StepClock:
     """The engine's clock: enabled on CUDA with DSPARK_STEP_CLOCK=1."""
     on = os.environ.get(ENV, "0").lower() in ("1", "true", "on", "yes")
-    return StepClock(enabled=on and device.type == "cuda")
+    enabled = on and device.type == "cuda"
+    path = os.environ.get(LOG_ENV) if enabled else None
+    return StepClock(enabled=enabled, log=open(path, "a", buffering=1) if path else None)
 
 
 class StepClock:
-    def __init__(self, enabled: bool = True, event_factory=None) -> None:
+    def __init__(self, enabled: bool = True, event_factory=None, log=None) -> None:
         """`enabled` False: begin() returns None and end(None, ...) does nothing (the engine
         calls both on every step). `event_factory`: makes a timing event with record(),
-        query() and elapsed_time() (torch.cuda.Event by default; tests pass a stand-in)."""
+        query() and elapsed_time() (torch.cuda.Event by default; tests pass a stand-in).
+        `log`: a text file every step read is written to (module docstring)."""
         self.enabled = enabled
+        self.log = log
         if event_factory is None:
             import torch
 
@@ -60,10 +70,10 @@ class StepClock:
         before.record()
         return before
 
-    def end(self, before, host, spec=None) -> None:
+    def end(self, before, host, spec=None, plan: int | None = None) -> None:
         """Enqueue the after-event of the step begun with `before` (its HostStep; the
-        speculative decoder that planned it, which knows its kind), then read every step
-        whose events have completed."""
+        speculative decoder that planned it, which knows its kind; the lagged plan's budget,
+        for the log's token count), then read every step whose events have completed."""
         if before is None:
             return
         if spec is None:
@@ -71,21 +81,30 @@ class StepClock:
         else:
             kind = "mixed_verify" if spec.last_kind == "mixed" and spec.last_verifies else (
                 spec.last_kind)  # fmt: skip
+        shape = None
+        if self.log is not None:  # (host facts, read now: the HostStep is reused)
+            shape = (host.plan_scalars()[0], host.forward_tokens(plan), host.prefill_tokens())
         after = self._event()
         after.record()
-        self._pending.append((kind, before, after))
+        self._pending.append((kind, before, after, shape))
         self.collect()
 
     def collect(self) -> None:
         while self._pending and self._pending[0][2].query():
-            kind, before, after = self._pending.popleft()
-            self.busy_ms[kind] = self.busy_ms.get(kind, 0.0) + before.elapsed_time(after)
+            kind, before, after, shape = self._pending.popleft()
+            busy = before.elapsed_time(after)
+            self.busy_ms[kind] = self.busy_ms.get(kind, 0.0) + busy
             self.steps[kind] = self.steps.get(kind, 0) + 1
+            idle = -1.0
             if self._last_after is not None:
                 idle = self._last_after.elapsed_time(before)
                 if 0.0 <= idle <= MAX_IDLE_MS:
                     self.idle_ms[kind] = self.idle_ms.get(kind, 0.0) + idle
+                else:
+                    idle = -1.0
             self._last_after = after
+            if shape is not None:
+                self.log.write(f"{kind} {shape[0]} {shape[1]} {shape[2]} {busy:.3f} {idle:.3f}\n")
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{kind: {"steps", "busy_ms", "idle_ms"}} of the steps read so far."""

@@ -114,12 +114,32 @@ def test_lagged_prior_for_missing_and_nan_rows():
     assert plan_budget_lagged(None, caps, 0, 3, cost).budget == 6
     # ... while a zero prior trims everything.
     assert plan_budget_lagged(None, caps, 0, 3, cost, prior_conf=0.0).budget == 0
-    # Row 0 known-bad, rows 1-2 missing (NaN / absent) -> prior.
-    stale = np.array([[0.0, 0.0], [np.nan, np.nan]])
-    d = plan_budget_lagged(stale, caps, 0, 3, cost, prior_conf=1.0, min_predicted_gain=0.0)
-    assert d.budget == 4
-    d = plan_budget_lagged(stale, caps, 0, 3, cost, prior_conf=0.0, min_predicted_gain=0.0)
-    assert d.budget == 0
+    all_nan = np.full((3, 2), np.nan)
+    assert plan_budget_lagged(all_nan, caps, 0, 3, cost, min_predicted_gain=0.0).budget == 6
+    # Row 0 known, rows 1-2 missing (NaN / absent): they take the known rows' mean survivals,
+    # whatever the prior (a burst's newcomers look like the batch, not like certain drafts)
+    for known, budget in ((0.0, 0), (1.0, 6)):
+        stale = np.array([[known, known], [np.nan, np.nan]])
+        for prior in (0.0, 1.0):
+            d = plan_budget_lagged(stale, caps, 0, 3, cost, prior_conf=prior,
+                                   min_predicted_gain=0.0)  # fmt: skip
+            assert d.budget == budget, (known, prior)
+
+
+def test_unknown_rows_take_the_known_rows_mean_survivals():
+    """population_prior: the mean of the known rows' prefix survivals (not the survivals of
+    their mean confidences), per position; a row with any NaN is unknown."""
+    from dspark.spec.planner import population_prior
+
+    conf = np.array([[0.9, 0.9, 0.5], [0.1, 0.5, 1.0], [np.nan] * 3, [0.8, np.nan, 0.2]])
+    surv = population_prior(conf, 1.0)
+    known = np.array([[0.9, 0.81, 0.405], [0.1, 0.05, 0.05]])
+    np.testing.assert_allclose(surv[:2], known)
+    np.testing.assert_allclose(surv[2], known.mean(axis=0))
+    np.testing.assert_allclose(surv[3], known.mean(axis=0))
+    # none known: the prior, clipped to [0, 1]
+    np.testing.assert_allclose(population_prior(np.full((2, 2), np.nan), 0.5),
+                               [[0.5, 0.25]] * 2)  # fmt: skip
 
 
 def test_lagged_snaps_to_allowed_budgets():
@@ -453,16 +473,21 @@ def test_stale_survivals_fast_path_matches_the_general_one():
         conf = rng.uniform(-0.2, 1.2, (r + int(rng.integers(0, 3)), k + int(rng.integers(0, 2))))
         conf[rng.uniform(size=conf.shape) < 0.1] = np.nan
         prior = 1.0 if rng.uniform() < 0.5 else float(rng.uniform())  # 1.0: the default
-        # the general path, as a reference: the prior for unknowns, clip, survivals, sort
-        c = np.clip(np.where(np.isnan(conf[:r, :k]), prior, conf[:r, :k]), 0.0, 1.0)
-        surv = np.cumprod(c, axis=1)
-        want = np.sort(surv[np.arange(k)[None, :] < caps[:, None]])[::-1]
-        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior), want)
-        # rows missing: the general path, with the prior for the missing rows
+        # the general path, as a reference: clip, survivals; rows with an unknown entry take
+        # the known rows' mean survivals (the prior where no row is known); sort
+        def reference(c):
+            unknown = np.isnan(c).any(axis=1)
+            surv = np.cumprod(np.clip(np.where(np.isnan(c), prior, c), 0.0, 1.0), axis=1)
+            if unknown.any() and not unknown.all():
+                surv[unknown] = surv[~unknown].mean(axis=0)
+            return np.sort(surv[np.arange(k)[None, :] < caps[:, None]])[::-1]
+
+        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior), reference(
+            conf[:r, :k]))  # fmt: skip
+        # rows missing: the general path, the missing rows unknown
         got = _stale_survivals(conf[: r - 1], caps, prior)
-        c2 = np.vstack([c[: r - 1], np.full((1, k), min(max(prior, 0.0), 1.0))])
-        want2 = np.sort(np.cumprod(c2, axis=1)[np.arange(k)[None, :] < caps[:, None]])[::-1]
-        np.testing.assert_array_equal(got, want2)
+        c2 = np.vstack([conf[: r - 1, :k], np.full((1, k), np.nan)])
+        np.testing.assert_array_equal(got, reference(c2))
 
 
 def test_steps_with_prefill_value_drafts_at_the_decoding_rate():

@@ -62,11 +62,19 @@ def test_lag_uses_earlier_confidences():
     lag0 = simulate([good, bad], "lagged", cost, lag=0)
     assert lag1.step_verified.tolist() == [12, 12]
     assert lag0.step_verified.tolist() == [12, 0]
-    # Request ids align stale rows: a brand-new request gets the prior, the others are trimmed.
+    # Request ids align stale rows: a brand-new request has no history and takes the known
+    # rows' mean survivals (the planner's population prior), not the survivals of the
+    # request that held its row before. Here request 0 was confident and the others were not.
+    mixed = TraceStep(conf=np.array([[0.99] * 3] + [[0.01] * 3] * 3), accept_len=np.zeros(4),
+                      request_ids=ids)
     newcomer = TraceStep(conf=np.full((4, 3), 0.01), accept_len=np.zeros(4),
                          request_ids=[9, 1, 2, 3])
-    res = simulate([bad, newcomer], "lagged", cost, lag=1, prior_conf=1.0)
-    assert 0 < res.step_verified[1] < 12
+    res = simulate([mixed, newcomer], "lagged", cost, lag=1, prior_conf=1.0)
+    assert res.step_verified[1] == 0  # by row, the newcomer had request 0's 0.99s: 3 drafts
+    kept = TraceStep(conf=np.full((4, 3), 0.01), accept_len=np.zeros(4),
+                     request_ids=[3, 2, 9, 0])  # request 0 kept, on another row
+    res = simulate([mixed, kept], "lagged", cost, lag=1, prior_conf=1.0)
+    assert res.step_verified[1] >= 3
 
 
 def test_threshold_and_planner_instance(trace):

@@ -102,6 +102,49 @@ def test_kind_without_speculation():
                                 "mixed": {"steps": 1, "busy_ms": 2.0, "idle_ms": 0.0}}
 
 
+class ShapedHost:
+    """The HostStep facts the log reads: R requests, prefill tokens, draft slots."""
+
+    def __init__(self, reqs, prefill, slots):
+        self.reqs, self.prefill, self.slots = reqs, prefill, slots
+
+    def plan_scalars(self):
+        return (self.reqs, self.slots, self.prefill, self.reqs, True, 0)
+
+    def prefill_tokens(self):
+        return self.prefill
+
+    def forward_tokens(self, budget):
+        return self.reqs + self.prefill + (self.slots if budget is None else min(budget,
+                                                                                 self.slots))
+
+
+def test_the_step_log_writes_each_step_with_its_shape():
+    """DSPARK_STEP_CLOCK_LOG: one line per step read, in order, with the requests, the tokens
+    the forward ran (a trimmed plan's budget, not the packed slots), the prefill tokens, busy
+    and idle ms (-1: a gap that is not the host's)."""
+    import io
+
+    dev, log = FakeDevice(), io.StringIO()
+    clock = StepClock(event_factory=dev.event, log=log)
+    shapes = [(ShapedHost(4, 0, 28), 10, "verify", 3.0), (ShapedHost(4, 100, 28), None,
+              "mixed", 5.0), (ShapedHost(6, 0, 0), 0, "plain", 2.0)]  # fmt: skip
+    for host, plan, kind, ms in shapes:
+        dev.now += 1.0
+        before = clock.begin()
+        dev.work(ms)
+        clock.end(before, host, SimpleNamespace(last_kind=kind, last_verifies=plan != 0), plan)
+        dev.now += 2 * MAX_IDLE_MS if kind == "mixed" else 0.0
+    assert "plain" not in log.getvalue()  # not read yet: its events are pending
+    dev.now += 100.0
+    clock.collect()
+    assert log.getvalue().splitlines() == [
+        "verify 4 14 0 3.000 -1.000",  # the first step: no gap before it
+        "mixed_verify 4 132 100 5.000 0.000",  # enqueued behind the first: no idle
+        "plain 6 6 0 2.000 -1.000"]  # after the long wait for requests: not counted
+    assert clock.snapshot()["plain"]["busy_ms"] == 2.0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_engine_times_its_steps_on_cuda(tiny_qwen, monkeypatch):
     """DSPARK_STEP_CLOCK=1: the model runner records the events around every step's device
