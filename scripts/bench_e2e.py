@@ -135,7 +135,8 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
 def run_sequential(args, temps) -> dict:
     """Each arm's server in turn, its whole sweep at each temperature."""
     results = {}
-    for i, (arm, spec) in enumerate(arms(args).items()):
+    order = list(arms(args).items())
+    for i, (arm, spec) in enumerate(reversed(order) if args.reverse_arms else order):
         proc, url = serve(args, spec, args.port + i, os.path.join(args.out, f"serve_{arm}.log"))
         try:
             for t in temps:
@@ -293,12 +294,16 @@ def main() -> int:
     a("--device", default="auto")
     a("--load-format", default="auto", choices=["auto", "dummy"])
     a("--synthetic-rates", default=None, help="SYNTHETIC acceptance per position (benchmark)")
-    a("--identity-prompts", type=int, default=32)
+    a("--identity-prompts", type=int, default=32,
+      help="prompts of the offline T=0 identity and overhead pass (0: skip it)")
     a("--identity-tokens", type=int, default=128)
     a("--start-timeout", type=float, default=600)
     a("--port", type=int, default=8123)
     a("--interleave", action="store_true",
       help="all servers at once, each level arm after arm (order rotating by level)")
+    a("--reverse-arms", action="store_true",
+      help="sequential runs: adaptive first, no-spec last (arms run later meet a hotter GPU: "
+           "at its 700 W cap the H200's clock drops in compute-bound prefill steps)")
     a("--rounds", type=int, default=1,
       help="with --interleave: each level measured this many times per arm, the median kept")
     a("--num-kv-blocks", type=int, default=None,
@@ -325,7 +330,8 @@ def main() -> int:
     label = "SYNTHETIC acceptance " if args.synthetic_rates else ""
     temps = [float(t) for t in args.temperatures.split(",")]
     results = (run_interleaved if args.interleave else run_sequential)(args, temps)
-    checks = offline_checks(args)
+    checks = offline_checks(args) if args.identity_prompts > 0 else {
+        "identical_at_t0": None, "num_prompts": 0, "overhead": None, "mismatching_prompts": {}}
     # which execution path each server ran (a failed capture silently changes the arm)
     checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))
                         for arm in arms(args)}  # fmt: skip

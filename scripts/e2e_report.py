@@ -144,7 +144,9 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
     for line in flips[:6]:
         print(f"  drafting {line}")
     o = checks["overhead"] or {}
-    if checks["identical_at_t0"] is None:
+    if checks["num_prompts"] == 0:
+        print("T=0 identity and offline overhead: not checked (--identity-prompts 0)")
+    elif checks["identical_at_t0"] is None:
         print("T=0 identity: not checked (synthetic acceptance is not lossless by design)")
     else:
         print(f"T=0 identical tokens across arms: {checks['identical_at_t0']} "

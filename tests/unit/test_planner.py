@@ -473,21 +473,22 @@ def test_stale_survivals_fast_path_matches_the_general_one():
         conf = rng.uniform(-0.2, 1.2, (r + int(rng.integers(0, 3)), k + int(rng.integers(0, 2))))
         conf[rng.uniform(size=conf.shape) < 0.1] = np.nan
         prior = 1.0 if rng.uniform() < 0.5 else float(rng.uniform())  # 1.0: the default
-        # the general path, as a reference: clip, survivals; rows with an unknown entry take
-        # the known rows' mean survivals (the prior where no row is known); sort
-        def reference(c):
-            unknown = np.isnan(c).any(axis=1)
-            surv = np.cumprod(np.clip(np.where(np.isnan(c), prior, c), 0.0, 1.0), axis=1)
-            if unknown.any() and not unknown.all():
-                surv[unknown] = surv[~unknown].mean(axis=0)
-            return np.sort(surv[np.arange(k)[None, :] < caps[:, None]])[::-1]
-
-        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior), reference(
-            conf[:r, :k]))  # fmt: skip
+        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior),
+                                      _reference_survivals(conf[:r, :k], caps, prior))
         # rows missing: the general path, the missing rows unknown
         got = _stale_survivals(conf[: r - 1], caps, prior)
         c2 = np.vstack([conf[: r - 1, :k], np.full((1, k), np.nan)])
-        np.testing.assert_array_equal(got, reference(c2))
+        np.testing.assert_array_equal(got, _reference_survivals(c2, caps, prior))
+
+
+def _reference_survivals(c: np.ndarray, caps: np.ndarray, prior: float) -> np.ndarray:
+    """The general path, as a reference: clip, survivals; rows with an unknown entry take the
+    known rows' mean survivals (the prior where no row is known); sorted descending."""
+    unknown = np.isnan(c).any(axis=1)
+    surv = np.cumprod(np.clip(np.where(np.isnan(c), prior, c), 0.0, 1.0), axis=1)
+    if unknown.any() and not unknown.all():
+        surv[unknown] = surv[~unknown].mean(axis=0)
+    return np.sort(surv[np.arange(c.shape[1])[None, :] < caps[:, None]])[::-1]
 
 
 def test_steps_with_prefill_value_drafts_at_the_decoding_rate():

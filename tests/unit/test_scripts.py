@@ -107,6 +107,32 @@ def _free_port_block(n: int) -> int:
 # (the synthetic sweep runs interleaved: one more three-server run would add a minute to CI;
 # the sequential run's servers keep their engines in a thread: an engine process costs ~5 s
 # per server start here, and the interleaved run covers `dspark serve`'s default)
+def test_bench_e2e_reversed_arms_without_the_offline_pass(tmp_path):
+    """--reverse-arms runs the sequential arms adaptive first (a GPU that heats up under load
+    then slows no-spec's steps, not adaptive's); --identity-prompts 0 skips the offline pass,
+    and the report says so instead of claiming a check."""
+    demo = "dspark/assets/demo"
+    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
+           "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
+           "--output-len", "6", "--sweep", "1", "--num-prompts", "2", "--warmup", "1",
+           "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "0",
+           "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "256",
+           "--device", "cpu", "--out", str(tmp_path), "--port", str(_free_port_block(3)),
+           "--no-engine-process", "--reverse-arms"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    done = [(tmp_path / f"{a}_t0.json").stat().st_mtime_ns for a in ("adaptive7", "fixed7",
+                                                                      "nospec")]  # fmt: skip
+    assert done == sorted(done)
+    checks = json.loads((tmp_path / "bench_e2e.json").read_text())["checks"]
+    assert checks["num_prompts"] == 0 and checks["overhead"] is None
+    assert "not checked (--identity-prompts 0)" in proc.stdout
+    assert "T=0 identical tokens" not in proc.stdout
+    # the table keeps the canonical column order whatever order the arms ran in
+    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("conc"))
+    assert header.index("nospec") < header.index("fixed7") < header.index("adaptive7")
+
+
 @pytest.mark.parametrize("synthetic,interleave", [(False, False), (True, True)])
 def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps, offline checks), so
