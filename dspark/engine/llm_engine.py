@@ -188,6 +188,9 @@ class LLMEngine:
             self.stats["step_time_ms"] += (time.perf_counter() - t0) * 1e3
 
     def _schedule(self) -> SchedulerOutput:
+        spec = self.runner.spec
+        if spec is not None:  # draft slots charged as steps with prefill have verified them
+            self.scheduler.draft_share = spec.draft_share
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:

@@ -252,7 +252,7 @@ class ModelRunner:
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
-        plan = self.spec.plan(host) if self.spec is not None else None
+        plan = self.spec.plan(host, sched.draft_room) if self.spec is not None else None
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
         clock = self.step_clock.begin()  # (None unless DSPARK_STEP_CLOCK=1)
         if key is not None:  # the whole device half as (at most) two graph replays

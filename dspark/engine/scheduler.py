@@ -5,10 +5,20 @@ tokens; prefill chunks, decodes and verify blocks are the same thing. Running re
 served first, in arrival order; when KV blocks run out the most recently arrived running
 request is preempted (its blocks freed, its counters reset, its tokens recomputed later).
 Waiting requests are admitted in order while token budget, sequence slots and blocks allow.
+
+Draft slots: a row with drafts lays out all K of them, but the lagged plan verifies only some
+(beside prefill chunks, drafts are worth only what decoding would earn in their time:
+planner.py). `draft_share` (set by the engine from the plans of earlier steps with prefill) is
+the fraction of a row's slots charged against the budget, so that prefill chunks get the
+tokens the plan would leave unverified; the plan then verifies at most `draft_room` drafts
+(what was charged plus the budget nobody took), so the forward stays within the budget.
+(H200, 8B shape, 256 requests arriving at once: charging every slot left ~20k tokens of the
+burst's 8k-token prefill steps unused, ~3% of the level's time.)
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +42,7 @@ class ScheduledRow:
 class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    draft_room: int = 0  # drafts the step may verify within the token budget (module doc)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +65,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_slots = num_lookahead_slots  # K draft slots per decoding request
+        self.draft_share = 1.0  # of each row's draft slots, charged against the budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -89,6 +101,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = 0  # draft tokens charged
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -96,8 +109,12 @@ class Scheduler:
                 i += 1
                 continue
             wanted, drafts = self._num_wanted(req)
-            num_new = min(wanted, budget)
-            drafts = max(0, drafts - (wanted - num_new))  # fewer draft slots if over budget
+            charged = math.ceil(self.draft_share * drafts) if drafts else 0
+            if wanted - drafts + charged <= budget:
+                num_new, cost = wanted, wanted - drafts + charged
+            else:  # fewer draft slots if over budget, each one charged
+                num_new = cost = min(wanted, budget)
+                drafts = charged = max(0, drafts - (wanted - num_new))
             while not self.bm.allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -107,11 +124,13 @@ class Scheduler:
                 continue  # req preempted itself; self.running shrank, do not advance i
             samples = req.num_computed_tokens + num_new >= req.num_tokens
             out.rows.append(ScheduledRow(req, num_new, drafts, samples))
-            budget -= num_new
+            budget -= cost
+            room += charged
             i += 1
         # Rows of requests preempted after being scheduled this step must be dropped.
         out.rows = [r for r in out.rows if r.req.status is RequestStatus.RUNNING]
         if out.preempted:
+            out.draft_room = sum(r.num_draft_slots for r in out.rows)  # (budget not binding)
             return out  # no admissions while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -128,4 +147,5 @@ class Scheduler:
             samples = num_cached + num_new >= req.num_tokens
             out.rows.append(ScheduledRow(req, num_new, 0, samples))
             budget -= num_new
+        out.draft_room = room + budget
         return out

@@ -47,13 +47,21 @@ class StepPlanning:
     _untrimmed_left = 0  # verify-all plans an untrimmed probe still runs (set_cost_model: 0)
     _untrimmed_probed: dict  # (greedy, bucket) -> observed steps at its last probe
     last_verifies = False  # whether the step last planned verifies drafts (the step clock)
+    # of each row's draft slots, the share that steps with prefill chunks verified last (their
+    # plans' own budgets, before any cap): the scheduler charges that share against the
+    # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
+    draft_share = 1.0
+    _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
 
-    def plan(self, host) -> int | None:
+    def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
         host confidences (no sync); every policy's step is counted by kind here. The step's
-        sizes come from its packed scalars (every step, every policy: no array reductions)."""
+        sizes come from its packed scalars (every step, every policy: no array reductions).
+        `draft_room`: the most drafts the token budget leaves room for (the scheduler's
+        SchedulerOutput.draft_room); a budget above it is cut to it."""
         t0 = time.perf_counter()  # (the lagged policy's planning: all of this method's work)
         self._prediction = None  # (set by a decision step that verifies drafts)
+        self._draft_room = draft_room
         n, total, other, n_sampling, greedy, context = host.plan_scalars()
         self._step_reqs, self._step_other = n, other
         lagged = self._policy == "lagged"
@@ -174,7 +182,13 @@ class StepPlanning:
 
     def _after_budget(self, budget: int, total: int, decide: bool, n: int, n_sampling: int,
                       other: int) -> int:  # fmt: skip
-        """Record the step's budget and ask the drafting decision whether it drafts."""
+        """Record the step's budget (within the step's draft room) and ask the drafting
+        decision whether it drafts."""
+        if other > 0 and total > 0:  # the share the scheduler charges from now on: the wish
+            self.draft_share = budget / total  # (uncapped: a share can grow back)
+        room = self._draft_room
+        if room is not None and budget > room:  # (non-anticipating: the room is host-known)
+            budget = room
         self.last_budget = budget
         self._step_trimmed = 0 <= budget < total  # (step_tag: a trimmed step's own term)
         self.draft_enabled, probe = self.drafting.after_plan(
