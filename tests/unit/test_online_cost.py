@@ -76,8 +76,8 @@ def test_online_correction_learns_the_fixed_step_cost(tiny_qwen, drafter):
     spec.observe_step_time = spy
     plans, plan = [], spec.plan
 
-    def plan_spy(host):
-        budget = plan(host)
+    def plan_spy(host, *room):
+        budget = plan(host, *room)
         plans.append((spec.cost.fixed_overhead_ms, spec.fixed_costs.get("spec", spec._step_reqs)))
         return budget
 
@@ -453,8 +453,8 @@ def test_trimming_stops_where_trimmed_steps_are_not_faster(tiny_qwen, drafter, h
             step_ms = 40.0 if host_bound else float(table.verify_cost_ms(num_tokens)) + 0.6
         observe(step_ms, num_tokens, num_reqs, tag)
 
-    def plans(host):
-        budget = plan(host)
+    def plans(host, *room):
+        budget = plan(host, *room)
         if spec._step_other == 0 and host.get("num_draft_fills") > 0:
             trimmed.append(spec._step_trimmed)
         return budget
@@ -494,8 +494,8 @@ def test_steps_are_observed_net_of_their_own_context_read(tiny_qwen, drafter):
     planned, seen = [], []
     plan, observe = spec.plan, spec.observe_step_time
 
-    def plan_spy(host):
-        budget = plan(host)
+    def plan_spy(host, *room):
+        budget = plan(host, *room)
         planned.append((host.get("context_tokens"), spec.cost.step_context_ms))
         return budget
 

@@ -33,9 +33,9 @@ def _run(llm, max_tokens: int = 40):
         state["due"] = due(n)
         return state["due"]
 
-    def recording_plan(host):
+    def recording_plan(host, *room):
         reads = state["reads"]
-        budget = plan(host)
+        budget = plan(host, *room)
         n, total, other, *_ = host.plan_scalars()
         plans.append((n, total, other, state["reads"] > reads, state["due"], budget))
         return budget
@@ -176,7 +176,7 @@ def _steep_decode_step(tiny_qwen, drafter, source: str):
                                         provenance={"source": source})  # fmt: skip
     spec.set_cost_model(table, f"{source} (test)")
     hosts, plan = [], spec.plan
-    spec.plan = lambda host: hosts.append(host) or plan(host)
+    spec.plan = lambda host, *room: hosts.append(host) or plan(host, *room)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
     host = next(h for h in reversed(hosts)
@@ -196,7 +196,7 @@ def test_plain_steps_plan_without_reading_the_terms(tiny_qwen, drafter, tmp_path
     llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256)
     spec, hosts = llm.engine.runner.spec, []
     pack = spec.plan
-    spec.plan = lambda host: hosts.append(host) or pack(host)
+    spec.plan = lambda host, *room: hosts.append(host) or pack(host, *room)
     outs, plans = _run(llm)
     plain = LLM(tiny_qwen, device="cpu").generate(
         [{"prompt_token_ids": p} for p in PROMPTS],
