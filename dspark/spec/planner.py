@@ -96,11 +96,11 @@ def population_prior(conf: np.ndarray, prior_conf: float) -> np.ndarray:
     """[R, K] float64 prefix survivals of stale conditional confidences. A row with unknown
     entries (NaN: a request whose first drafts have not reached the host, at the start of a
     burst most of the batch) takes the mean survivals of the known rows, the best estimate of
-    what its drafts will yield; `prior_conf` fills them only when no row is known. (A prior of
-    1.0 for every newcomer had the H200's 8B shape verify every draft of the requests
-    admitted in a burst of 256, beside 8k-token prefill chunks that made each draft cost its
-    full compute: 15 such steps of 168 ms, against 55 ms for the other steps with prefill.)
-    Non-anticipating: the known rows' confidences are as stale as the rows' own would be."""
+    what its drafts will yield; `prior_conf` fills them only when no row is known. (With a
+    prior of 1.0 every newcomer's drafts looked certain, so while a burst of requests is
+    admitted, beside prefill chunks that make each draft cost its full compute, the plans
+    leaned towards verifying all of them.) Non-anticipating: the known rows' confidences are
+    as stale as the rows' own would be."""
     surv = prefix_survival(conf, prior_conf, np.float64)
     unknown = np.isnan(conf).any(axis=1)
     if unknown.any() and not unknown.all():

@@ -1,0 +1,105 @@
+"""Compare servers' step logs (DSPARK_STEP_CLOCK=1 with DSPARK_STEP_CLOCK_LOG, which
+bench_e2e.py sets per server: serve_<arm>.log.steps) at the same batch shape.
+
+Per-kind means mix batch sizes (an adaptive engine drafts only below some batch size, no-spec
+decodes plainly at every size), so this lines steps up by shape:
+  * every kind: steps, device ms (busy + idle before it), mean forward tokens, prefill tokens;
+  * decode steps (no prefill) by batch size, in buckets of 32 requests: mean busy ms;
+  * steps at the full token budget (compute-bound prefill): mean busy ms;
+  * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
+    whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
+    draft slots charged but not verified), priced at those steps' own ms per token.
+
+    python3 scripts/step_log_report.py serve_nospec.log.steps serve_adaptive7.log.steps \
+        --budget 8192 --last-level
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+
+
+def read_steps(path: str) -> list[tuple[str, int, int, int, float, float]]:
+    """(kind, requests, forward tokens, prefill tokens, busy ms, idle ms) per line."""
+    steps = []
+    with open(path) as f:
+        for line in f:
+            k, r, t, p, b, i = line.split()
+            steps.append((k, int(r), int(t), int(p), float(b), float(i)))
+    return steps
+
+
+def last_level(steps: list) -> list:
+    """The steps of a sweep's last level: from the start of the ramp that first reaches the
+    largest batch (walking back while the batch shrinks: the lowest batch before the ramp,
+    which may be the last step of the level before) to the end."""
+    if not steps:
+        return steps
+    top = max(s[1] for s in steps)
+    i = next(j for j, s in enumerate(steps) if s[1] == top)
+    while i > 0 and steps[i - 1][1] < steps[i][1]:
+        i -= 1
+    return steps[i:]
+
+
+def report(name: str, steps: list, budget: int) -> list[str]:
+    ms = sum(s[4] + max(s[5], 0.0) for s in steps)
+    out = [f"{name}: {len(steps)} steps, {ms:,.0f} ms (busy + idle)"]
+    kinds: dict[str, list] = defaultdict(lambda: [0, 0.0, 0, 0])
+    for k, _, t, p, b, _ in steps:
+        e = kinds[k]
+        e[0], e[1], e[2], e[3] = e[0] + 1, e[1] + b, e[2] + t, e[3] + p
+    for k, (n, b, t, p) in sorted(kinds.items()):
+        out.append(f"  {k:<13} {n:5d} steps {b:9,.0f} ms busy  {t / n:7.0f} tokens/step  "
+                   f"{p:8,d} prefill tokens")  # fmt: skip
+    full = [s[4] for s in steps if s[2] >= budget]
+    if full:
+        out.append(f"  at the full budget ({budget} tokens): {len(full)} steps, "
+                   f"{sum(full) / len(full):.1f} ms each")  # fmt: skip
+    bound = [s for s in steps if s[3] >= budget // 2]
+    if bound:
+        unused = sum(max(budget - s[2], 0) for s in bound)
+        per_token = sum(s[4] for s in bound) / sum(s[2] for s in bound)
+        out.append(f"  budget-bound steps with prefill: {len(bound)}, {unused:,d} tokens of "
+                   f"the budget unused (~{unused * per_token:,.0f} ms at their "
+                   f"{per_token * 1e3:.1f} us a token)")  # fmt: skip
+    return out
+
+
+def decode_by_batch(named: dict[str, list], width: int = 32) -> list[str]:
+    """Mean busy ms of decode steps (no prefill) per kind and batch bucket, arms side by side."""
+    cells: dict[tuple[str, int], dict[str, list]] = defaultdict(dict)
+    for name, steps in named.items():
+        for k, r, _, p, b, _ in steps:
+            if p == 0:
+                cells[(k, r // width * width)].setdefault(name, []).append(b)
+    out = [f"decode steps by batch size (mean busy ms, steps): {' | '.join(named)}"]
+    for (k, lo), by_arm in sorted(cells.items()):
+        row = " | ".join(f"{sum(v) / len(v):6.2f} ({len(v):3d})" if (v := by_arm.get(n))
+                         else f"{'-':>12}" for n in named)  # fmt: skip
+        out.append(f"  {k:<7} {lo:4d}-{lo + width - 1:<4d} {row}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", nargs="+", help="step logs (serve_<arm>.log.steps)")
+    ap.add_argument("--budget", type=int, default=8192, help="the servers' max batched tokens")
+    ap.add_argument("--last-level", action="store_true",
+                    help="only the sweep's last level (the ramp to the largest batch onwards)")
+    args = ap.parse_args(argv)
+    named = {}
+    for path in args.logs:
+        steps = read_steps(path)
+        named[os.path.basename(path).removeprefix("serve_").split(".")[0]] = (
+            last_level(steps) if args.last_level else steps)  # fmt: skip
+    lines = [ln for name, steps in named.items() for ln in report(name, steps, args.budget)]
+    print("\n".join(lines + decode_by_batch(named)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

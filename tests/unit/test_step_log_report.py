@@ -1,0 +1,37 @@
+"""scripts/step_log_report.py on hand-made step logs: the last level is found, decode steps
+line up by batch size, and the budget the budget-bound steps left unused is counted."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import step_log_report as slr  # noqa: E402
+
+
+def _write(path, steps):
+    path.write_text("".join(f"{k} {r} {t} {p} {b:.3f} {i:.3f}\n" for k, r, t, p, b, i in steps))
+    return str(path)
+
+
+def test_report_lines_up_steps_by_shape(tmp_path, capsys):
+    warm = [("mixed", 2, 40, 38, 2.0, -1.0), ("plain", 12, 12, 0, 1.0, 0.0)]  # (12 > 10)
+    # the level: a ramp to 64 requests through budget-bound prefill steps, then decoding
+    level_a = [("mixed", 10, 100, 90, 9.0, 0.0), ("mixed_verify", 64, 80, 60, 8.0, 0.0),
+               ("plain", 64, 64, 0, 3.0, 0.0), ("verify", 20, 60, 0, 2.5, 0.0)]  # fmt: skip
+    level_b = [("mixed", 10, 100, 90, 9.0, 0.0), ("mixed", 64, 100, 36, 10.0, 0.0),
+               ("plain", 64, 64, 0, 2.5, 0.0), ("plain", 20, 20, 0, 1.5, 0.0)]  # fmt: skip
+    a = _write(tmp_path / "serve_adaptive7.log.steps", warm + level_a)
+    b = _write(tmp_path / "serve_nospec.log.steps", warm + level_b)
+    assert slr.last_level(slr.read_steps(a)) == [tuple(s) for s in level_a]
+    assert slr.main([b, a, "--budget", "100", "--last-level"]) == 0
+    out = capsys.readouterr().out
+    assert "nospec: 4 steps, 23 ms" in out and "adaptive7: 4 steps, 22 ms" in out
+    # prefill >= half the budget: nospec's first step (no tokens unused), adaptive's two
+    # (20 unused in the second, priced at 17 ms / 180 tokens)
+    assert "budget-bound steps with prefill: 1, 0 tokens" in out
+    assert "budget-bound steps with prefill: 2, 20 tokens of the budget unused (~2 ms" in out
+    assert "at the full budget (100 tokens): 2 steps, 9.5 ms each" in out  # nospec's two
+    assert "plain     64-95     2.50 (  1) |   3.00 (  1)" in out
+    assert "verify     0-31              - |   2.50 (  1)" in out
