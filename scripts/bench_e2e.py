@@ -39,8 +39,27 @@ from e2e_report import print_table  # noqa: E402  (the summary and per-level dia
 
 from dspark.spec.drafting import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 
+ARM_KINDS = ("nospec", "fixed", "adaptive")
+
+
+def arm_kind(name: str) -> str:
+    """nospec / fixed / adaptive of an arm's name (fixed7 -> fixed)."""
+    return name.rstrip("0123456789")
+
 
 def arms(args) -> dict[str, dict | None]:
+    """The chosen arms (--arms) in the report's order: no-spec, fixed K, adaptive."""
+    return {n: s for n, s in all_arms(args).items() if arm_kind(n) in args.arms}
+
+
+def run_order(args) -> list[tuple[str, dict | None]]:
+    """The arms in the order they run: --arms' order, reversed with --reverse-arms."""
+    named = {arm_kind(n): (n, s) for n, s in all_arms(args).items()}
+    order = [named[k] for k in args.arms]
+    return order[::-1] if args.reverse_arms else order
+
+
+def all_arms(args) -> dict[str, dict | None]:
     base = {"model": args.drafter, "num_speculative_tokens": args.k}
     if args.sts:
         base["confidence_calibration_path"] = args.sts
@@ -135,8 +154,7 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
 def run_sequential(args, temps) -> dict:
     """Each arm's server in turn, its whole sweep at each temperature."""
     results = {}
-    order = list(arms(args).items())
-    for i, (arm, spec) in enumerate(reversed(order) if args.reverse_arms else order):
+    for i, (arm, spec) in enumerate(run_order(args)):
         proc, url = serve(args, spec, args.port + i, os.path.join(args.out, f"serve_{arm}.log"))
         try:
             for t in temps:
@@ -156,7 +174,7 @@ def run_interleaved(args, temps) -> dict:
     are merged into one result file, as a sequential sweep writes it."""
     procs, urls = [], {}
     try:
-        for i, (arm, spec) in enumerate(arms(args).items()):
+        for i, (arm, spec) in enumerate(run_order(args)):
             proc, urls[arm] = serve(args, spec, args.port + i,
                                     os.path.join(args.out, f"serve_{arm}.log"))  # fmt: skip
             procs.append(proc)
@@ -301,9 +319,12 @@ def main() -> int:
     a("--port", type=int, default=8123)
     a("--interleave", action="store_true",
       help="all servers at once, each level arm after arm (order rotating by level)")
+    a("--arms", default=",".join(ARM_KINDS),
+      help="the arms and the order they run in: adaptive and one or both of nospec, fixed "
+           "(nospec,adaptive skips fixed K's server and sweep)")
     a("--reverse-arms", action="store_true",
-      help="sequential runs: adaptive first, no-spec last (arms run later meet a hotter GPU: "
-           "at its 700 W cap the H200's clock drops in compute-bound prefill steps)")
+      help="run the arms in the reverse order (arms run later meet a hotter GPU: at its "
+           "700 W cap the H200's clock drops in compute-bound prefill steps)")
     a("--rounds", type=int, default=1,
       help="with --interleave: each level measured this many times per arm, the median kept")
     a("--num-kv-blocks", type=int, default=None,
@@ -322,6 +343,11 @@ def main() -> int:
             parse_cpu_list(args.engine_cpus)
         except ValueError as e:
             ap.error(f"--engine-cpus: {e}")
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if (len(set(args.arms)) != len(args.arms) or not set(args.arms) <= set(ARM_KINDS)
+            or "adaptive" not in args.arms or len(args.arms) < 2):  # fmt: skip
+        ap.error(f"--arms: adaptive and one or both of nospec, fixed, each once; got "
+                 f"{','.join(args.arms)!r}")  # fmt: skip
     if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
         ap.error("--rounds must be >= 1, and above 1 only with --interleave")
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
@@ -337,7 +363,7 @@ def main() -> int:
                         for arm in arms(args)}  # fmt: skip
     # why the adaptive server drafted or not, in its own words (dspark.spec.drafting)
     checks["drafting_flips"] = drafting_flips(
-        os.path.join(args.out, f"serve_{list(arms(args))[2]}.log"))
+        os.path.join(args.out, f"serve_{list(arms(args))[-1]}.log"))
     summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
                "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:

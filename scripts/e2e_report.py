@@ -45,14 +45,16 @@ def paired_by_round(levels: list[dict], against: int | None = None) -> list[floa
 
 
 def print_table(names: list[str], temps, results, checks, label) -> None:
-    """The three arms' throughput by level and temperature (`names`: no-spec, fixed,
-    adaptive), then what each level's counters say: the adaptive server's steps by kind,
-    scheduler overhead, learned fixed terms and the steps they came from, every arm's host
-    CPU, host time by part and step clock; the offline checks last."""
+    """The arms' throughput by level and temperature (`names`: no-spec, fixed, adaptive, or
+    one of the first two and adaptive), then what each level's counters say: the adaptive
+    server's steps by kind, scheduler overhead, learned fixed terms and the steps they came
+    from, every arm's host CPU, host time by part and step clock; the offline checks last."""
     print(f"\n=== {label}end-to-end: output tok/s (TPOT p50 ms | acceptance length) ===")
     for t in temps:
         print(f"-- temperature {t:g}")
-        print("conc " + "".join(f"{n:>30}" for n in names) + "   adaptive vs best / vs fixed")
+        versus = ("adaptive vs best / vs fixed" if len(names) == 3
+                  else f"{names[-1]} vs {names[0]}")  # fmt: skip
+        print("conc " + "".join(f"{n:>30}" for n in names) + "   " + versus)
         levels = results[(names[0], t)]["results"]
         for i, lvl in enumerate(levels):
             cells, tput = [], []
@@ -65,46 +67,48 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                 tpot = "-" if tpot is None else f"{tpot:.2f}"
                 cells.append(f"{r['output_throughput']:9.1f} ({tpot:>6} | "
                              f"{acc if acc is None else round(acc, 2)!s:>4})")  # fmt: skip
-            best = max(tput[0], tput[1])
+            ratio = (f"{tput[2] / max(tput[0], tput[1]) - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}"
+                     if len(names) == 3 else f"{tput[1] / tput[0] - 1:+.1%}")  # fmt: skip
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
-                  + f"   {tput[2] / best - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}")
+                  + f"   {ratio}")
         by_level = [[results[(n, t)]["results"][i] for n in names] for i in range(len(levels))]
-        paired = [paired_by_round(arms_of_level) for arms_of_level in by_level]
+        paired = [paired_by_round(arms_of_level) if len(names) == 3 else None
+                  for arms_of_level in by_level]  # (the pairing needs the three arms)
         if any(paired):  # the per-round spread a median-round verdict sits in
-            print(f"{names[2]} vs best, paired by round (median): " + ", ".join(
+            print(f"{names[-1]} vs best, paired by round (median): " + ", ".join(
                 f"c={lvl['max_concurrency']} " + " / ".join(f"{x:+.1%}" for x in p)
                 + f" ({statistics.median_low(p):+.1%})"  # (median_round's lower middle)
                 for lvl, p in zip(levels, paired) if p))  # fmt: skip
             arms = [[paired_by_round(arms_of_level, j) for arms_of_level in by_level]
                     for j in (1, 0)]  # fmt: skip
-            print(f"{names[2]} vs {names[1]} / vs {names[0]}, median of the round pairs: "
+            print(f"{names[-1]} vs {names[1]} / vs {names[0]}, median of the round pairs: "
                   + ", ".join(f"c={lvl['max_concurrency']} "
                               f"{statistics.median_low(f):+.1%} / {statistics.median_low(n):+.1%}"
                               for lvl, f, n in zip(levels, *arms) if f))  # fmt: skip
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
-                  or {} for r in results[(names[2], t)]["results"]]  # fmt: skip
+                  or {} for r in results[(names[-1], t)]["results"]]  # fmt: skip
         kinds = [d.get("steps_by_kind") for d in deltas]
         if any(kinds):  # what the adaptive server ran at each level
-            print(f"{names[2]} steps by kind ({' / '.join(STEP_KINDS)}): " + ", ".join(
+            print(f"{names[-1]} steps by kind ({' / '.join(STEP_KINDS)}): " + ", ".join(
                 f"c={lvl['max_concurrency']} " + "/".join(f"{(k or {}).get(x, 0):.0f}"
                                                           for x in STEP_KINDS)
                 for lvl, k in zip(levels, kinds)))  # fmt: skip
-        overheads = [r.get("scheduler_overhead") for r in results[(names[2], t)]["results"]]
+        overheads = [r.get("scheduler_overhead") for r in results[(names[-1], t)]["results"]]
         if any(overheads):  # planning + allocation over each level, from the server's counters
-            print(f"{names[2]} scheduler overhead in serving (% of step time: plan + alloc us "
+            print(f"{names[-1]} scheduler overhead in serving (% of step time: plan + alloc us "
                   "per step): " + ", ".join(
                       f"c={lvl['max_concurrency']} {o['fraction']:.2%} ("
                       f"{o['plan_ms_per_step'] * 1e3:.0f}+{o['alloc_ms_per_step'] * 1e3:.0f})"
                       for lvl, o in zip(levels, overheads) if o))  # fmt: skip
         states = [decision_state(d, lvl["max_concurrency"], t) for lvl, d in zip(levels, deltas)]
         if any(states):  # what its drafting decision stood on at the end of each level
-            print(f"{names[2]} learned fixed terms at the level's batch size (speculative / "
+            print(f"{names[-1]} learned fixed terms at the level's batch size (speculative / "
                   "plain ms; acceptance ratio): " + ", ".join(
                       f"c={lvl['max_concurrency']} {st}" for lvl, st in zip(levels, states)
                       if st))  # fmt: skip
-        observed = [r.get("observed_steps") for r in results[(names[2], t)]["results"]]
+        observed = [r.get("observed_steps") for r in results[(names[-1], t)]["results"]]
         if any(observed):  # what those terms were learned from, at the level's batch size
-            print(f"{names[2]} steps its fixed terms learned from at the level's batch size "
+            print(f"{names[-1]} steps its fixed terms learned from at the level's batch size "
                   "(kind count: mean period / mean residual ms): " + ", ".join(
                       f"c={lvl['max_concurrency']} " + " ".join(
                           f"{k} {v['steps']:.0f}: {v['step_ms']:.2f}/{v['residual_ms']:.2f}"

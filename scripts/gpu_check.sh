@@ -55,6 +55,9 @@
 # lengths drawn per request from [L/2, 3L/2], so no-spec's requests leave the lockstep that
 # one output length gives a closed loop (twenty-sixth session: adaptive's steps with prefill
 # cost +1.7% at c = 128 against no-spec's whole-wave admissions).
+# E2E_ARGS="... --arms nospec,adaptive [--reverse-arms] --identity-prompts 0": two arms in the
+# order given (or reversed), no offline pass: the 8B c = 256 level in both orders fits one call
+# (twenty-eighth session: the speculative arms, run after no-spec, met a power-capped clock).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
 # every second into $OUT/gpu_clocks.csv.
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and

@@ -107,10 +107,10 @@ def _free_port_block(n: int) -> int:
 # (the synthetic sweep runs interleaved: one more three-server run would add a minute to CI;
 # the sequential run's servers keep their engines in a thread: an engine process costs ~5 s
 # per server start here, and the interleaved run covers `dspark serve`'s default)
-def test_bench_e2e_reversed_arms_without_the_offline_pass(tmp_path):
-    """--reverse-arms runs the sequential arms adaptive first (a GPU that heats up under load
-    then slows no-spec's steps, not adaptive's); --identity-prompts 0 skips the offline pass,
-    and the report says so instead of claiming a check."""
+def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
+    """--arms nospec,adaptive runs those two only; --reverse-arms runs them adaptive first (a
+    GPU that heats up under load then slows no-spec's steps, not adaptive's); --identity-
+    prompts 0 skips the offline pass, and the report says so instead of claiming a check."""
     demo = "dspark/assets/demo"
     cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
@@ -118,19 +118,35 @@ def test_bench_e2e_reversed_arms_without_the_offline_pass(tmp_path):
            "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "0",
            "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "256",
            "--device", "cpu", "--out", str(tmp_path), "--port", str(_free_port_block(3)),
-           "--no-engine-process", "--reverse-arms"]  # fmt: skip
+           "--no-engine-process", "--arms", "nospec,adaptive", "--reverse-arms"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    done = [(tmp_path / f"{a}_t0.json").stat().st_mtime_ns for a in ("adaptive7", "fixed7",
-                                                                      "nospec")]  # fmt: skip
+    done = [(tmp_path / f"{a}_t0.json").stat().st_mtime_ns for a in ("adaptive7", "nospec")]
     assert done == sorted(done)
+    assert not (tmp_path / "fixed7_t0.json").exists()
+    assert not (tmp_path / "serve_fixed7.log").exists()
     checks = json.loads((tmp_path / "bench_e2e.json").read_text())["checks"]
     assert checks["num_prompts"] == 0 and checks["overhead"] is None
     assert "not checked (--identity-prompts 0)" in proc.stdout
     assert "T=0 identical tokens" not in proc.stdout
-    # the table keeps the canonical column order whatever order the arms ran in
-    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("conc"))
-    assert header.index("nospec") < header.index("fixed7") < header.index("adaptive7")
+    # the table keeps the canonical column order whatever order the arms ran in, and
+    # compares adaptive with the one other arm
+    lines = proc.stdout.splitlines()
+    header = next(ln for ln in lines if ln.startswith("conc"))
+    assert header.index("nospec") < header.index("adaptive7") and "fixed7" not in header
+    assert header.endswith("adaptive7 vs nospec")
+    row = lines[lines.index(header) + 1].split()
+    tput = json.loads((tmp_path / "bench_e2e.json").read_text())["results"]
+    ratio = (tput["adaptive7@0"][0]["output_throughput"]
+             / tput["nospec@0"][0]["output_throughput"] - 1)  # fmt: skip
+    assert row[0] == "1" and row[-1] == f"{ratio:+.1%}"
+
+
+def test_bench_e2e_rejects_arms_without_adaptive():
+    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", "t", "--drafter", "d",
+           "--arms", "nospec,fixed"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--arms: adaptive and one or both" in proc.stderr
 
 
 @pytest.mark.parametrize("synthetic,interleave", [(False, False), (True, True)])
