@@ -103,11 +103,15 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     args = ap.parse_args()
-    kw = dict(max_model_len=1024, max_num_seqs=args.concurrency, max_num_batched_tokens=8192)
+    kw = dict(max_model_len=1024, max_num_seqs=args.concurrency, max_num_batched_tokens=8192,
+              load_format=args.load_format)  # (dummy: random weights, e.g. the 8B shape)
     if args.smoke:
         args.concurrency, args.prompts, args.tokens, args.prompt_len = 4, 10, 8, 24
         kw.update(device="cpu", max_num_seqs=4)
     base = {"model": args.drafter, "num_speculative_tokens": args.k}
+    if args.synthetic_rates:  # (random weights accept nothing: SYNTHETIC acceptance)
+        base.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
             "adaptive": dict(base, enable_adaptive_verification=True)}
     from torch.profiler import ProfilerActivity, profile
