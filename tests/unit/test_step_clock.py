@@ -146,12 +146,14 @@ def test_the_step_log_writes_each_step_with_its_shape():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_an_engine_times_its_steps_on_cuda(tiny_qwen, monkeypatch):
+def test_an_engine_times_its_steps_on_cuda(tiny_qwen, monkeypatch, tmp_path):
     """DSPARK_STEP_CLOCK=1: the model runner records the events around every step's device
     work; a no-speculation engine's decode steps are `plain`, its prefill ones `mixed`."""
     from dspark import LLM, SamplingParams
 
     monkeypatch.setenv("DSPARK_STEP_CLOCK", "1")
+    log = tmp_path / "steps.log"
+    monkeypatch.setenv("DSPARK_STEP_CLOCK_LOG", str(log))
     llm = LLM(tiny_qwen, device="cuda")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(5, 30))}] * 3, params)
@@ -161,3 +163,10 @@ def test_an_engine_times_its_steps_on_cuda(tiny_qwen, monkeypatch):
     snap = clock.snapshot()
     assert snap["plain"]["steps"] >= 10 and snap["plain"]["busy_ms"] > 0
     assert snap["mixed"]["steps"] >= 1
+    # DSPARK_STEP_CLOCK_LOG: one line per step read, with its shape (3 requests decoding)
+    lines = [ln.split() for ln in log.read_text().splitlines()]
+    assert len(lines) == sum(v["steps"] for v in snap.values())
+    plain = [ln for ln in lines if ln[0] == "plain"]
+    assert len(plain) == snap["plain"]["steps"]
+    assert all(ln[1] == ln[2] == "3" and ln[3] == "0" for ln in plain)
+    assert sum(float(ln[4]) for ln in plain) == pytest.approx(snap["plain"]["busy_ms"], rel=1e-3)
