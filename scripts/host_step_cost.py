@@ -64,12 +64,15 @@ def settling_table(path: str) -> str:
 
 
 def hold_plain(spec) -> None:
-    """An adaptive engine whose drafting decision always says plain decoding, with no probes:
-    every decode step is the adaptive engine's plain step."""
+    """An adaptive engine whose drafting decision always says plain decoding, with no probes
+    and no decision due (its survival is never known here, so one would be due every step;
+    in serving they come every few steps): every decode step is the adaptive engine's plain
+    step."""
     import dspark.spec.drafting as drafting
 
     spec.drafting._pays = lambda *a, **k: False
     spec.drafting.pays = spec.drafting.plain_probes = False
+    spec.drafting.due = lambda num_reqs: False
     drafting._PROBE_EVERY = 1 << 30
 
 
