@@ -51,6 +51,21 @@ def test_host_step_cost(policy):
     assert ("plan" in line) == (policy == "lagged")
 
 
+def test_host_step_cost_plain_steps_decide_nothing():
+    """--plain: the adaptive engine's plain steps as between decisions in serving (no decision
+    due, no probe): every plan is an "other" plan, and no step drafts."""
+    proc = subprocess.run(
+        [sys.executable, "scripts/host_step_cost.py", "--policy", "lagged", "--plain",
+         "--concurrency", "3", "--tokens", "12"], cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    parts = next(ln for ln in lines if ln.startswith("planning by part"))
+    assert "other" in parts and "decision" not in parts and "search" not in parts
+    assert "policy lagged plain, concurrency 3:" in lines[-1]
+
+
 def test_profile_step_smoke(tmp_path):
     proc = _smoke("profile_step.py", tmp_path)
     report = (tmp_path / "profile_step.txt").read_text()
