@@ -265,8 +265,7 @@ class LLMEngine:
         drafts nothing (always, without speculation), so the next step can be scheduled
         before its results are known."""
         spec = self.runner.spec
-        return spec is None or (not spec.draft_enabled
-                                and all(r.num_draft_slots == 0 for r in sched.rows))  # fmt: skip
+        return spec is None or (not spec.draft_enabled and sched.num_draft_slots == 0)
 
     def _commit_launched(self, launched: tuple, advanced: bool) -> tuple:
         """Wait for a launched step and commit it; returns (schedule, result, tag)."""

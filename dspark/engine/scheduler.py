@@ -43,6 +43,7 @@ class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     draft_room: int = 0  # drafts the step may verify within the token budget (module doc)
+    num_draft_slots: int = 0  # draft slots laid out over all rows
 
     @property
     def num_tokens(self) -> int:
@@ -126,12 +127,13 @@ class Scheduler:
             out.rows.append(ScheduledRow(req, num_new, drafts, samples))
             budget -= cost
             room += charged
+            out.num_draft_slots += drafts
             i += 1
         # Rows of requests preempted after being scheduled this step must be dropped.
         out.rows = [r for r in out.rows if r.req.status is RequestStatus.RUNNING]
         if out.preempted:
-            out.draft_room = sum(r.num_draft_slots for r in out.rows)  # (budget not binding)
-            return out  # no admissions while memory is short
+            out.num_draft_slots = out.draft_room = sum(r.num_draft_slots for r in out.rows)
+            return out  # no admissions while memory is short (the budget does not bind)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.bm.find_cached_prefix(req)

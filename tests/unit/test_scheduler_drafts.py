@@ -53,6 +53,7 @@ def test_prefill_gets_the_draft_slots_that_are_not_charged(share):
     assert prefill.num_new_tokens == 100 - 4 * (1 + charged)
     # the plan may verify what was charged plus what no row took (none: the prompt took it)
     assert out.draft_room == 4 * charged
+    assert out.num_draft_slots == 4 * K
 
 
 def test_without_competition_the_room_is_every_slot():
@@ -71,7 +72,7 @@ def test_a_row_that_does_not_fit_its_charge_is_cut_as_before():
     out = s.schedule()
     assert [r.num_new_tokens for r in out.rows] == [1 + K] * 3 + [2]
     assert out.rows[3].num_draft_slots == 1
-    assert out.draft_room == 3 * 2 + 1
+    assert out.draft_room == 3 * 2 + 1 and out.num_draft_slots == 3 * K + 1
     assert len(out.rows) == 4  # no room left for the prompt
 
 
