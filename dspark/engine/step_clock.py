@@ -83,7 +83,8 @@ class StepClock:
                 spec.last_kind)  # fmt: skip
         shape = None
         if self.log is not None:  # (host facts, read now: the HostStep is reused)
-            shape = (host.plan_scalars()[0], host.forward_tokens(plan), host.prefill_tokens())
+            reqs, _, prefill, *_ = host.plan_scalars()
+            shape = (reqs, host.forward_tokens(plan), prefill)
         after = self._event()
         after.record()
         self._pending.append((kind, before, after, shape))
@@ -95,14 +96,12 @@ class StepClock:
             busy = before.elapsed_time(after)
             self.busy_ms[kind] = self.busy_ms.get(kind, 0.0) + busy
             self.steps[kind] = self.steps.get(kind, 0) + 1
-            idle = -1.0
-            if self._last_after is not None:
-                idle = self._last_after.elapsed_time(before)
-                if 0.0 <= idle <= MAX_IDLE_MS:
-                    self.idle_ms[kind] = self.idle_ms.get(kind, 0.0) + idle
-                else:
-                    idle = -1.0
-            self._last_after = after
+            last, self._last_after = self._last_after, after
+            idle = -1.0 if last is None else last.elapsed_time(before)
+            if 0.0 <= idle <= MAX_IDLE_MS:
+                self.idle_ms[kind] = self.idle_ms.get(kind, 0.0) + idle
+            else:
+                idle = -1.0  # (the first step, or the engine waited for requests)
             if shape is not None:
                 self.log.write(f"{kind} {shape[0]} {shape[1]} {shape[2]} {busy:.3f} {idle:.3f}\n")
 
