@@ -536,3 +536,33 @@ def test_idle_plain_graphs_are_captured_where_drafting_can_be_off(tiny_qwen, dra
     captured = {k for k in keys if k[0] == "plain" and k[-1] == "idle"}
     assert captured == ({("plain", rb, m, "idle") for rb in sg.buckets
                          for m in ("greedy", "sample")} if idle else set())  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["lagged", "fixed", "synthetic", "nospec"])
+def test_steps_with_prefill_but_no_drafts_take_one_logits_row_per_request(tiny_qwen, drafter,
+                                                                        name):  # fmt: skip
+    """A step with prefill chunks whose rows verify nothing ("mixed_plain": the prompts'
+    first step, or any admission while drafting is off) samples at most one token a row, so
+    its graph runs the LM head over one row per request of its bucket, not 1 + K (on an
+    8B-shaped target at 256 rows those 7 padding rows each cost ~4.4 ms a step)."""
+    spec = None if SPECS[name] is None else {"model": drafter, **SPECS[name]}
+    llm = _llm(tiny_qwen, spec, step_graphs=True)
+    sg, model = llm.engine.runner.step_graphs, llm.engine.runner.model
+    step, logits_rows, key_now = sg._step, [], []
+    compute = model.compute_logits
+
+    def spy_step(key):
+        key_now[:] = [key]
+        return step(key)
+
+    def spy_logits(hidden):
+        if key_now and key_now[0][0] == "mixed_plain":
+            logits_rows.append((key_now[0], hidden.shape[0]))
+        return compute(hidden)
+
+    sg._step, model.compute_logits = spy_step, spy_logits
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, seed=11 + i)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert logits_rows, "no step with prefill chunks took the padded path"
+    assert all(rows == key[1] for key, rows in logits_rows), logits_rows
