@@ -253,6 +253,47 @@ def prefill_table(llm, conc: int, prompt_len: int) -> str:
                       "(profiled)"] + phases + [ka.table(sort_by=key, row_limit=25)])
 
 
+def mixed_table(llm, conc: int, prompt_len: int, steps: int = 8) -> str:
+    """Steps that carry one new prompt's chunk beside ~`conc` decoding rows, the common step
+    with prefill at high load (8B shape, c = 256: ~110 a level), device ms per step and top
+    kernels: what an adaptive engine's such step runs beyond no-spec's (its drafter's
+    context write, ...), at the same shape in both arms. `steps` prompts arrive one a step."""
+    import torch
+    from host_step_cost import prefill_all
+    from profile_step import label_phases
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark import SamplingParams
+
+    engine = llm.engine
+    label_phases(llm)
+    # the decoding rows outlive the profiled steps (2 + `steps` decode steps, then the drain)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts(max(conc - steps, 1), prompt_len, 7)):
+        engine.add_request(f"mixed-base-{i}", p, params)
+    prefill_all(engine)
+    for _ in range(2):
+        engine.step()
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps0 = engine.stats["steps"]
+    with profile(activities=acts) as prof:
+        for i, p in enumerate(prompts(steps, prompt_len, 8)):
+            engine.add_request(f"mixed-new-{i}", p, params)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    n = max(engine.stats["steps"] - steps0, 1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    ka = prof.key_averages()
+    device_ms = sum(getattr(e, "self_device_time_total", 0) for e in ka) / 1e3
+    device = f"device {device_ms / n:.2f} ms per step (kernels)" if cuda else "no CUDA device"
+    return "\n".join([f"  {steps} prompts of {prompt_len} tokens beside ~{conc} decoding rows, "
+                      f"one a step: {n} steps, {device}", ka.table(sort_by=key, row_limit=25)])
+
+
 def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> list:
     """One engine per arm; a `-sync` suffix turns async scheduling off. Returns (report lines,
     data) per level, in order (a level may repeat)."""
@@ -280,6 +321,8 @@ def run_arm(args, arm: str, spec_cfg: dict | None, levels: list[int]) -> list:
                                           args.temperature))
             if f"prefill@{conc}" in args.kernel_tables.split(","):
                 lines.append(prefill_table(llm, conc, args.prompt_len))
+            if f"mixed@{conc}" in args.kernel_tables.split(","):
+                lines.append(mixed_table(llm, conc, args.prompt_len))
             if f"draft@{conc}" in args.kernel_tables.split(",") and spec_cfg is not None:
                 lines.append(drafter_table(llm.engine.runner, conc))
             print("\n".join([title] + lines), flush=True)
@@ -299,7 +342,8 @@ def main() -> int:
     ap.add_argument("--kernel-tables", default="",
                     help="ARM@CONC,...: also the top kernels by CUDA time of 8 decode steps; "
                     "draft@CONC: of the drafter alone (speculative arms); prefill@CONC: of the "
-                    "prefill steps of CONC prompts")
+                    "prefill steps of CONC prompts; mixed@CONC: of steps with one prompt's "
+                    "chunk beside ~CONC decoding rows")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
@@ -314,7 +358,7 @@ def main() -> int:
     if args.smoke:  # the bundled demo pair on the CPU
         args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
         args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
-        args.kernel_tables = "adaptive@3,draft@3,prefill@3"
+        args.kernel_tables = "adaptive@3,draft@3,prefill@3,mixed@3"
     spec = {"model": args.drafter, "num_speculative_tokens": args.k}
     if args.synthetic_rates:
         spec["rejection_sample_method"] = "synthetic"

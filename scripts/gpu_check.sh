@@ -29,8 +29,10 @@
 #   synth   the same sweep, SYNTHETIC acceptance, on the 8B shape (random weights) -> $OUT/synth_*
 #   diag    adaptive vs no-spec step by step on the 8B shape, SYNTHETIC acceptance, at DIAG_CONC
 #           (default 64,128; DIAG_ARMS, default nospec,adaptive; DIAG_KERNELS: kernel tables,
-#           e.g. draft@128,prefill@64; DIAG_ARGS=--serving: CONC requests kept in flight, as
-#           bench serve drives a server) -> $OUT/diag_adaptive.*
+#           e.g. draft@128,prefill@64, or mixed@256 with DIAG_ARMS=nospec,plain: steps with one
+#           prompt's chunk beside the decoding rows, adaptive's drafting held off; DIAG_ARGS=
+#           --serving: CONC requests kept in flight, as bench serve drives a server)
+#           -> $OUT/diag_adaptive.*
 #   cpumap  how fast each CPU runs Python, alone and in pairs (scripts/cpu_speed_map.py; ~1 min)
 #           -> $OUT/cpumap.log
 #   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min), also

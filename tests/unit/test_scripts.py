@@ -331,6 +331,8 @@ def test_diag_adaptive_smoke(tmp_path):
     spec_steps = [r for r in records["adaptive@3"]["records"] if not r["prefill"]]
     assert spec_steps and all(r["ms"] > 0 and r["emitted"] >= r["rows"] for r in spec_steps)
     assert "verify 1/req: forward" in report  # the cost table's view of the decision
+    # the steps with one prompt's chunk beside the decoding rows, profiled in both arms
+    assert report.count("8 prompts of 24 tokens beside ~3 decoding rows") == 2
 
 
 def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
