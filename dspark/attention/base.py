@@ -33,6 +33,10 @@ class AttentionMetadata:
     max_query_len: int  # CPU upper bound of any row's query length
     max_seq_len: int  # CPU upper bound of any seq_len
     num_reqs: int  # R (rows, including zero-length padding rows)
+    # CPU bound of this step's decode / verify rows' query length, for the paged attention's
+    # short launch; None: the engine's (the backend's short_query_len, 1 + K). A speculative
+    # step whose rows verify nothing says 1: its decode rows then take no-spec's 1-token tile
+    short_query_len: int | None = None
 
 
 def compute_token_to_req(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -47,11 +47,17 @@ class TritonAttentionBackend(AttentionBackend):
         return torch.cuda.is_available() and (device is None or device.type == "cuda")
 
     def warmup(self, k_cache, v_cache, num_heads: int) -> int:
-        """Compile every launch variant of the paged attention kernels (see paged_attention)."""
-        from dspark.attention.triton import paged_attention_warmup
+        """Compile every launch variant of the paged attention kernels (see paged_attention)
+        for the engine's short query length; past 1, also those of steps with prefill chunks
+        whose rows verify nothing (AttentionMetadata.short_query_len 1)."""
+        from dspark.attention.triton import paged_attention_warmup as paw
 
-        return paged_attention_warmup.warmup(k_cache, v_cache, num_heads, self.max_splits,
-                                             self.min_split_len, self.short_query_len)  # fmt: skip
+        n = paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.min_split_len,
+                       self.short_query_len)  # fmt: skip
+        if self.short_query_len > 1:
+            n += paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.min_split_len,
+                            1, prefill_only=True)  # fmt: skip
+        return n
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -66,7 +72,8 @@ class TritonAttentionBackend(AttentionBackend):
         return self._paged_attention(
             q, k_cache, v_cache, md, scale,
             max_splits=self.max_splits, min_chunk=self.min_split_len,
-            short_query_len=self.short_query_len,
+            short_query_len=(self.short_query_len if md.short_query_len is None
+                             else md.short_query_len),
         )
 
     def draft_forward(

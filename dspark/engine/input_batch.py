@@ -57,6 +57,7 @@ class StepInputs:
     all_greedy: bool
     max_capacity: int
     max_num_logits: int  # logits rows if every draft slot is verified
+    short_query_len: int | None = None  # AttentionMetadata.short_query_len (None: the engine's)
     # set by finalize()
     token_to_req: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [R] int64 verified drafts per row
@@ -80,6 +81,7 @@ class StepInputs:
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
             num_reqs=self.num_reqs,
+            short_query_len=self.short_query_len,
         )
 
 

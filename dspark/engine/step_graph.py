@@ -307,6 +307,8 @@ class StepGraphs(StepGraphCapture):
             num_reqs=rb, num_tokens=t, max_query_len=max_q,
             max_seq_len=self.max_model_len, num_samples=rb, all_greedy=mode == "greedy",
             max_capacity=self.k if spec_rows else 0, max_num_logits=t,
+            # no row verifies: decode rows attend with no-spec's 1-token tile, not 1 + K's
+            short_query_len=1 if family == "mixed_plain" else None,
         )  # fmt: skip
 
     def _step(self, key: tuple) -> torch.Tensor:

@@ -4,6 +4,7 @@ Triton compile (~1 s) inside a step. (Suspected cause of the 0.7-1 s stalls of t
 serving sweeps.)"""
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -70,10 +71,48 @@ def test_warmup_runs_every_variant(short_query_len):
         n = backend.warmup(k_cache, v_cache, num_heads=4)
     finally:
         pa.paged_attention = real
-    variants = paw.launch_variants(2, 16, 4, short_query_len)
-    assert n == len(variants)
-    assert sorted(calls) == sorted((q, s, short_query_len) for q, s in set(variants.values()))
+    # the engine's short length and, past 1, the prefill launches with 1: a speculative step
+    # with prefill chunks whose rows verify nothing attends its decode rows with the 1-token
+    # tile (AttentionMetadata.short_query_len)
+    runs = [(short_query_len, False)] + ([(1, True)] if short_query_len > 1 else [])
+    expected = [(q, s, short) for short, only in runs
+                for q, s in set(paw.launch_variants(2, 16, 4, short, only).values())]  # fmt: skip
+    assert n == sum(len(paw.launch_variants(2, 16, 4, short, only)) for short, only in runs)
+    assert sorted(calls) == sorted(expected)
     assert {s for _, s, _ in calls} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("md_short,used", [(None, 8), (1, 1)])
+def test_attend_takes_the_steps_own_short_query_len(md_short, used):
+    """A step's metadata may bound its decode rows' length below the engine's (None: the
+    engine's): the paged attention is called with that bound."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(4, 16, 2, 16, generator=gen).to(dev)
+    v_cache = torch.randn(4, 16, 2, 16, generator=gen).to(dev)
+    backend = TritonAttentionBackend(max_splits=1)
+    backend.short_query_len = 8
+    md = pa.AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 21], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([9, 20], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=dev),
+        slot_mapping=torch.arange(21, dtype=torch.int64, device=dev),
+        positions=torch.cat([torch.tensor([8]), torch.arange(20)]).to(dev),
+        token_to_req=torch.tensor([0] + [1] * 20, dtype=torch.int32, device=dev),
+        max_query_len=20, max_seq_len=20, num_reqs=2, short_query_len=md_short,
+    )  # fmt: skip
+    q = torch.randn(21, 4, 16, generator=gen).to(dev)
+    calls, real = [], pa.paged_attention
+
+    def spy(*args, **kw):
+        calls.append(kw["short_query_len"])
+        return real(*args, **kw)
+
+    backend._paged_attention = spy  # (bound at construction)
+    out = backend.attend(q, k_cache, v_cache, md, 0.25)
+    ref = real(q, k_cache, v_cache, md, 0.25, max_splits=1, short_query_len=0)
+    assert calls == [used]
+    torch.testing.assert_close(out, ref)  # one launch or two: the same attention
 
 
 def _compiled(kernel) -> int:
@@ -121,4 +160,8 @@ def test_no_compile_in_serving_after_warmup_on_cuda(short_query_len):
         q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
         out = backend.attend(q, k_cache, v_cache, md, dim**-0.5)
         assert torch.isfinite(out).all()
+        if short_query_len > 1:  # a step with prefill chunks whose rows verify nothing: the
+            # 1-token short tile, under the prefill graphs' promise (the token budget)
+            md1 = replace(md, short_query_len=1, max_query_len=8192)
+            torch.testing.assert_close(backend.attend(q, k_cache, v_cache, md1, dim**-0.5), out)
     assert [_compiled(k) for k in kernels] == before

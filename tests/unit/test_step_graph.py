@@ -566,3 +566,39 @@ def test_steps_with_prefill_but_no_drafts_take_one_logits_row_per_request(tiny_q
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert logits_rows, "no step with prefill chunks took the padded path"
     assert all(rows == key[1] for key, rows in logits_rows), logits_rows
+
+
+def test_steps_with_prefill_but_no_drafts_attend_decode_rows_with_the_one_token_tile(
+        tiny_qwen, drafter):  # fmt: skip
+    """The paged attention gives a step's decode / verify rows their own launch, tiled for the
+    engine's 1 + K tokens a row. Where no row verifies ("mixed_plain"), every decode row has
+    one token: such a step's attention metadata says so (short_query_len 1, the tile no-spec
+    uses), while steps whose rows verify keep the engine's bound (None)."""
+    spec = {"model": drafter, **SPECS["fixed"]}
+    llm = _llm(tiny_qwen, spec, step_graphs=True)
+    runner = llm.engine.runner
+    sg, backend = runner.step_graphs, runner.backend
+    step, seen, key_now = sg._step, [], []
+
+    def spy_step(key):
+        key_now[:] = [key]
+        return step(key)
+
+    def spy(method):
+        def wrapped(*args):
+            md = next(a for a in args if hasattr(a, "short_query_len"))
+            if key_now:
+                seen.append((key_now[0][0], md.short_query_len))
+            return method(*args)
+        return wrapped
+
+    sg._step = spy_step
+    backend.forward, backend.attend = spy(backend.forward), spy(backend.attend)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, seed=11 + i)
+              for i, m in enumerate(MAX_TOKENS)]  # fmt: skip
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    by_family = {}
+    for family, short in seen:
+        by_family.setdefault(family, set()).add(short)
+    assert by_family.get("mixed_plain") == {1}, by_family
+    assert by_family.get("spec") == {None}, by_family

@@ -16,11 +16,13 @@ from dspark.attention.triton import paged_attention as pa
 
 
 def launch_variants(group_pad: int, head_dim: int, max_splits: int,
-                    short_query_len: int = 0) -> dict:  # fmt: skip
+                    short_query_len: int = 0, prefill_only: bool = False) -> dict:  # fmt: skip
     """Every compile-time launch variant (a `Launch`, splits, stages) a CUDA call can take,
-    mapped to a (max_query_len, num_splits) call that compiles it."""
+    mapped to a (max_query_len, num_splits) call that compiles it (`prefill_only`: calls
+    whose longest query takes the prefill tile)."""
     variants = {}
-    for qlen in range(1, 64 // group_pad + 2):  # past 64 rows every length is "prefill"
+    longest = 64 // group_pad + 1  # past 64 rows every length is "prefill"
+    for qlen in range(longest if prefill_only else 1, longest + 1):
         for launch in lc.launch_plan(group_pad, qlen, head_dim, True, short_query_len):
             for splits in [1] if launch.pass_ == 1 else lc.split_counts(max_splits):
                 stages = lc.num_stages(True, launch.block_q * group_pad, splits)
@@ -29,14 +31,15 @@ def launch_variants(group_pad: int, head_dim: int, max_splits: int,
 
 
 def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_splits: int,
-           min_chunk: int, short_query_len: int = 0) -> int:  # fmt: skip
+           min_chunk: int, short_query_len: int = 0,
+           prefill_only: bool = False) -> int:  # fmt: skip
     """Compile every launch variant of the attention and combine kernels now, on a one-row
     batch attending to block 0 (outputs discarded), so no request meets a compile. Returns the
     number of variants."""
     _, page, num_kv_heads, head_dim = k_cache.shape
     dev, dtype = k_cache.device, k_cache.dtype
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    variants = launch_variants(group_pad, head_dim, max_splits, short_query_len)
+    variants = launch_variants(group_pad, head_dim, max_splits, short_query_len, prefill_only)
     for qlen, splits in sorted(set(variants.values())):
         ctx = max(qlen, splits * min_chunk)
         md = AttentionMetadata(
