@@ -192,6 +192,10 @@ def mixed_rows(args) -> list[str]:
         pre = bench_mixed([(qp, cp)] * npf, args, 0)
         out.append(f"mixed   {label:<52s} one launch {one * 1e3:8.1f} us  two {two * 1e3:8.1f}"
                    f" us  (decode rows alone {dec * 1e3:7.1f} + prefill alone {pre * 1e3:7.1f})")
+        if nd and qd == 1:  # 1-token rows under a K = 7 engine's short tile (8 tokens a row):
+            # what a speculative step whose rows verify nothing ran before 2564938
+            wide = bench_mixed(rows, args, 8)
+            out.append(f"mixed   {label:<52s} two, short tile of 8 tokens {wide * 1e3:8.1f} us")
         torch.cuda.empty_cache()
     return out
 
