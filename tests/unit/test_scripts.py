@@ -98,6 +98,17 @@ def test_profile_mixed_smoke(tmp_path):
     assert "### fixed" in proc.stdout  # (each arm printed as it ends)
 
 
+def test_profile_mixed_smoke_on_random_weights_with_synthetic_acceptance(tmp_path):
+    """The 8B shape's options pass through: random weights (--load-format dummy) accept no
+    draft on their own, so the drafts verified come from SYNTHETIC acceptance."""
+    proc = _smoke("profile_mixed.py", tmp_path, "--arms", "fixed", "--load-format", "dummy",
+                  "--synthetic-rates", "0.9,0.9,0.9,0.9,0.9,0.9,0.9")  # fmt: skip
+    assert "SYNTHETIC acceptance" in proc.stdout + proc.stderr
+    report = (tmp_path / "profile_mixed.txt").read_text()
+    kinds = re.findall(r"^(\w+) +(\d+) steps:", report, re.M)
+    assert [k for k, _ in kinds] == ["mixed", "verify"] and all(int(n) > 0 for _, n in kinds)
+
+
 def _free_port_block(n: int) -> int:
     """A base port whose next n ports were free a moment ago (the script binds base + i)."""
     for _ in range(50):
