@@ -5,6 +5,8 @@ Per-kind means mix batch sizes (an adaptive engine drafts only below some batch 
 decodes plainly at every size), so this lines steps up by shape:
   * every kind: steps, device ms (busy + idle before it), mean forward tokens, prefill tokens;
   * decode steps (no prefill) by batch size, in buckets of 32 requests: mean busy ms;
+  * steps with prefill chunks whose rows verify nothing, by batch size and forward tokens
+    (bins of 256), where every arm has them: mean busy ms, and each arm's mean difference;
   * steps at the full token budget (compute-bound prefill): mean busy ms;
   * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
     whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
@@ -83,6 +85,43 @@ def decode_by_batch(named: dict[str, list], width: int = 32) -> list[str]:
     return out
 
 
+def prefill_by_shape(named: dict[str, list], req_width: int = 32,
+                     tok_width: int = 256) -> list[str]:  # fmt: skip
+    """Mean busy ms of steps with prefill chunks whose rows verify nothing (kind `mixed`) per
+    batch bucket and forward-token bin where the first arm and another have such steps, arms
+    side by side; last, each other arm's mean difference from the first over the cells both
+    have (weighted by the fewer steps of the two). A cost that every such step pays whatever
+    its tokens shows as the same difference in every bin (twenty-ninth session: the LM head
+    over 1 + K rows a request)."""
+    cells: dict[tuple[int, int], dict[str, list]] = defaultdict(dict)
+    for name, steps in named.items():
+        for k, r, t, p, b, _ in steps:
+            if k == "mixed" and p > 0:
+                cells[(r // req_width, t // tok_width)].setdefault(name, []).append(b)
+    first, others = list(named)[0], list(named)[1:]
+    shared = {key: arms for key, arms in cells.items()
+              if first in arms and any(n in arms for n in others)}  # fmt: skip
+    if not shared:
+        return []
+    out = ["steps with prefill, no row verifying, by batch size and forward tokens "
+           f"(mean busy ms, steps): {' | '.join(named)}"]
+    diff = {n: [0.0, 0, 0] for n in others}  # weighted sum, weight, cells
+    for (rq, tk), arms in sorted(shared.items()):
+        means = {n: sum(v) / len(v) for n, v in arms.items()}
+        row = " | ".join(f"{means[n]:7.2f} ({len(arms[n]):3d})" if n in arms else f"{'-':>13}"
+                         for n in named)  # fmt: skip
+        out.append(f"  {rq * req_width:4d}-{(rq + 1) * req_width - 1:<4d} req "
+                   f"{tk * tok_width:5d}-{(tk + 1) * tok_width - 1:<5d} tokens  {row}")
+        for n in others:
+            if n in arms:
+                w = min(len(arms[n]), len(arms[first]))
+                d = diff[n]
+                d[0], d[1], d[2] = d[0] + w * (means[n] - means[first]), d[1] + w, d[2] + 1
+    out += [f"  {n} against {first}: {d / w:+.2f} ms a step (weighted mean over {c} cells)"
+            for n, (d, w, c) in diff.items() if c]  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         named[os.path.basename(path).removeprefix("serve_").split(".")[0]] = (
             last_level(steps) if args.last_level else steps)  # fmt: skip
     lines = [ln for name, steps in named.items() for ln in report(name, steps, args.budget)]
-    print("\n".join(lines + decode_by_batch(named)))
+    print("\n".join(lines + decode_by_batch(named) + prefill_by_shape(named)))
     return 0
 
 

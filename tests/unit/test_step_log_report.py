@@ -35,3 +35,23 @@ def test_report_lines_up_steps_by_shape(tmp_path, capsys):
     assert "at the full budget (100 tokens): 2 steps, 9.5 ms each" in out  # nospec's two
     assert "plain     64-95     2.50 (  1) |   3.00 (  1)" in out
     assert "verify     0-31              - |   2.50 (  1)" in out
+
+
+def test_steps_with_prefill_line_up_by_batch_and_tokens(tmp_path, capsys):
+    """Steps with prefill chunks whose rows verify nothing are compared where both arms have
+    them, by batch bucket and forward-token bin: a cost every such step pays whatever its
+    tokens reads as one difference; verifying steps and cells one arm lacks are left out."""
+    nospec = [("mixed", 250, 600, 350, 26.0, 0.0), ("mixed", 250, 610, 360, 28.0, 0.0),
+              ("mixed", 250, 1100, 850, 40.0, 0.0), ("mixed", 100, 300, 200, 9.0, 0.0)]
+    adaptive = [("mixed", 251, 620, 370, 29.0, 0.0), ("mixed", 252, 1050, 800, 43.0, 0.0),
+                ("mixed", 252, 1060, 810, 41.0, 0.0),
+                ("mixed_verify", 250, 700, 300, 80.0, 0.0)]  # (verifies: not lined up)
+    a = _write(tmp_path / "serve_nospec.log.steps", nospec)
+    b = _write(tmp_path / "serve_adaptive7.log.steps", adaptive)
+    assert slr.main([a, b]) == 0
+    out = capsys.readouterr().out
+    assert "224-255  req   512-767   tokens    27.00 (  2) |   29.00 (  1)" in out
+    assert "224-255  req  1024-1279  tokens    40.00 (  1) |   42.00 (  2)" in out
+    assert "96-127" not in out  # (only nospec has steps at 100 requests)
+    # (29 - 27) x 1 + (42 - 40) x 1 over weights 1 + 1
+    assert "adaptive7 against nospec: +2.00 ms a step (weighted mean over 2 cells)" in out
