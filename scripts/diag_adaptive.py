@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from profile_step import ASSETS, prompts  # noqa: E402  (the demo pair; random prompt ids)
+from profile_step import ASSETS, pair_spec, prompts  # noqa: E402  (demo pair; prompt ids; spec)
 
 
 class StepLog:
@@ -359,10 +359,7 @@ def main() -> int:
         args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
         args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
         args.kernel_tables = "adaptive@3,draft@3,prefill@3,mixed@3"
-    spec = {"model": args.drafter, "num_speculative_tokens": args.k}
-    if args.synthetic_rates:
-        spec["rejection_sample_method"] = "synthetic"
-        spec["synthetic_acceptance_rates"] = [float(x) for x in args.synthetic_rates.split(",")]
+    spec = pair_spec(args)
     arm_cfgs = {"nospec": None, "fixed": dict(spec, adaptive_policy="fixed"),
                 "adaptive": dict(spec, enable_adaptive_verification=True)}
     arm_cfgs["plain"] = arm_cfgs["adaptive"]  # its drafting held off: adaptive's plain steps

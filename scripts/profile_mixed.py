@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step import pair_parser, ranged  # noqa: E402  (pair arguments; ranges)
+from profile_step import pair_parser, pair_spec, ranged  # noqa: E402  (pair arguments; ranges)
 
 from dspark import LLM, SamplingParams  # noqa: E402
 
@@ -108,10 +108,7 @@ def main() -> int:
     if args.smoke:
         args.concurrency, args.prompts, args.tokens, args.prompt_len = 4, 10, 8, 24
         kw.update(device="cpu", max_num_seqs=4)
-    base = {"model": args.drafter, "num_speculative_tokens": args.k}
-    if args.synthetic_rates:  # (random weights accept nothing: SYNTHETIC acceptance)
-        base.update(rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
+    base = pair_spec(args)  # (random weights accept nothing: --synthetic-rates)
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
             "adaptive": dict(base, enable_adaptive_verification=True)}
     from torch.profiler import ProfilerActivity, profile

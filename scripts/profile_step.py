@@ -230,6 +230,16 @@ def pair_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def pair_spec(args) -> dict:
+    """The speculative config common to every arm of `pair_parser`'s arguments: the drafter,
+    K, and SYNTHETIC acceptance when --synthetic-rates is given."""
+    spec = {"model": args.drafter, "num_speculative_tokens": args.k}
+    if args.synthetic_rates:
+        spec.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
+    return spec
+
+
 def main() -> int:
     ap = pair_parser(__doc__)
     ap.add_argument("--concurrency", default="1,64")
@@ -252,10 +262,7 @@ def main() -> int:
         args.concurrency, args.tokens, args.profile_tokens, args.rows = "1,2", 8, 4, 5
         kw.update(device="cpu", max_num_seqs=4)
     levels = [int(c) for c in args.concurrency.split(",")]
-    base = {"model": args.drafter, "num_speculative_tokens": args.k}
-    if args.synthetic_rates:
-        base.update(rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=[float(x) for x in args.synthetic_rates.split(",")])
+    base = pair_spec(args)
     # plain: the adaptive engine with drafting held off (its plain steps against nospec's);
     # drafting: with drafting held on (its speculative steps against fixed K's, equal work
     # wherever the plan verifies every draft)

@@ -316,11 +316,11 @@ class StepGraphs(StepGraphCapture):
         inp = self._inputs(key)
         if key[0] == "trim":
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
-        elif key[0] in MIXED:  # compacted to the bucket; logits rows <= 1 + K per row, or
-            # one per row where no row verifies (the LM head over padding rows is not free:
+        elif key[0] in MIXED:  # compacted to the bucket; logits rows <= 1 + its capacity a
+            # row (K, or 0 where no row verifies: the LM head over padding rows is not free,
             # 7 of them a row cost ~4.4 ms a step on the 8B shape at 256 rows)
-            per_row = 1 if key[0] == "mixed_plain" else 1 + self.k
-            finalize(inp, self._mixed_lengths(key, inp), key[3], min(key[3], key[1] * per_row))
+            finalize(inp, self._mixed_lengths(key, inp), key[3],
+                     min(key[3], key[1] * (1 + inp.max_capacity)))  # fmt: skip
         else:
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
         if rn.feeds_pending:
