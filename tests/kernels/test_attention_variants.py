@@ -162,6 +162,9 @@ def test_no_compile_in_serving_after_warmup_on_cuda(short_query_len):
         assert torch.isfinite(out).all()
         if short_query_len > 1:  # a step with prefill chunks whose rows verify nothing: the
             # 1-token short tile, under the prefill graphs' promise (the token budget)
+            # (a row of 2-8 tokens moves to the long launch, whose KV tiles and splits differ:
+            # bf16 rounding, not exactness, is what the two launches share)
             md1 = replace(md, short_query_len=1, max_query_len=8192)
-            torch.testing.assert_close(backend.attend(q, k_cache, v_cache, md1, dim**-0.5), out)
+            other = backend.attend(q, k_cache, v_cache, md1, dim**-0.5).float()
+            assert ((other - out.float()).norm() / out.float().norm()).item() < 1e-2
     assert [_compiled(k) for k in kernels] == before
