@@ -203,9 +203,11 @@ if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_ho
       scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
       2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"
   done | tee "$OUT/ceiling.log"
-  # the planner's host cost on this CPU (development machine, 32 rows x 7 drafts: ~60 us)
-  CUDA_VISIBLE_DEVICES= python3 scripts/plan_cost.py --concurrency 1,32,256 2>&1 \
-    | tee -a "$OUT/ceiling.log"
+  # the planner's host cost on this CPU, in a hot loop and with the caches swept before each
+  # call (as in the serving loop; development machine: 5-15x the hot figures)
+  for cold in "" --cold; do
+    CUDA_VISIBLE_DEVICES= python3 scripts/plan_cost.py --concurrency 1,32,256 $cold 2>&1
+  done | tee -a "$OUT/ceiling.log"
 fi
 if has bench; then
   python3 scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16

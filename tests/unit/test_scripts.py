@@ -324,14 +324,19 @@ def test_server_host_ceiling_streams_every_step():
     assert float(line.split()[4]) > 0  # output tok/s
 
 
-def test_plan_cost():
+@pytest.mark.parametrize("cold", [False, True])
+def test_plan_cost(cold):
     proc = subprocess.run(
-        [sys.executable, "scripts/plan_cost.py", "--concurrency", "2", "--repeats", "20"],
+        [sys.executable, "scripts/plan_cost.py", "--concurrency", "2", "--repeats", "20"]
+        + (["--cold"] if cold else []),
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("2 requests") and all(k in line for k in ("plan", "bound", "search"))
+    assert (", cold)" in line) == cold and "decision survey" in line
+    times = [float(part.split()[-2]) for part in line.split("): ", 1)[1].split(", ")]
+    assert len(times) == 6 and all(t > 0 for t in times), line
 
 
 def test_diag_adaptive_smoke(tmp_path):
