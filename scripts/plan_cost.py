@@ -9,7 +9,7 @@ the budget search (uncached, plan_budget_lagged).
 the calls. In the engine's loop a plan runs after the step's other host work has pushed its
 objects out of the caches, and a hot loop understates it 5-15x (development machine, thirtieth
 session: plan 1.7 -> 22-30 us, search 21 -> 100-210 us, the decision's survey 13 -> 80-140
-us at 1-32 requests); the H200 host's serving loop measured 11-17 us per plan, 160-270 us
+us at 1-32 requests); the H200 host's serving loop measured 8-19 us per plan, 160-270 us
 per search and 90-230 us per decision for the demo pair (eighteenth to thirtieth sessions).
 
     python3 scripts/plan_cost.py --concurrency 1,64,256 [--cold]
