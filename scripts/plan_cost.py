@@ -3,7 +3,8 @@ the demo pair with its device work stubbed (scripts/host_step_cost.py) runs a fe
 steps with drafting on, then one packed step is planned repeatedly and timed (the fastest of
 a few runs), as the engine plans (a clear verify-all plan is reused for the next plans of its
 shape) and without reuse, with the parts: the stale-confidence read, the exact no-trim bound,
-the budget search (uncached, plan_budget_lagged).
+the budget search (uncached, plan_budget_lagged, numpy) and the planner's own (on Python floats
+up to SMALL_SLOTS draft slots), the drafting decision's survey.
 
 `--cold`: each call after a sweep of the caches (a read of 64 MiB, not timed), the median of
 the calls. In the engine's loop a plan runs after the step's other host work has pushed its
@@ -89,7 +90,8 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
     timed = (lambda fn, n: cold_call_us(fn, n // 10)) if cold else per_call_us
     plan = timed(lambda: sd.plan(host), repeats)  # the engine's (plans reused)
-    sd.planner.reuse_clear_plans = sd.planner.reuse_trimmed_plans = sd.settled_plans = 1
+    # (the planner's standing plans: StandingPlans holds the counts)
+    sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
     parts = {
         "plan": plan,
@@ -99,6 +101,10 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
                        repeats),  # fmt: skip
         "search": timed(lambda: pl.plan_budget_lagged(stale, caps, 0, caps.size, cost),
                         repeats),  # fmt: skip
+        # the planner's own search (Python floats up to SMALL_SLOTS draft slots: small_search.py;
+        # an opportunity rate, as in a step with prefill chunks, so no bound settles it)
+        "planner search": timed(lambda: sd.planner.plan_cpu(stale, caps, 0, caps.size, 0.0, 2.0),
+                                repeats),  # fmt: skip
         "decision survey": timed(lambda: sd.drafting.survey(np.arange(caps.size), stale, True),
                                  repeats),  # fmt: skip
     }

@@ -265,6 +265,12 @@ class CostModel:
         return np.maximum((self.fixed_overhead_ms + self.step_context_ms) + variable_ms,
                           _MIN_STEP_MS)
 
+    def add_fixed_list(self, variable_ms: list[float]) -> list[float]:
+        """`add_fixed` over a list of Python floats, element for element the same numbers (the
+        planner's search on small batches: small_search.py)."""
+        base = self.fixed_overhead_ms + self.step_context_ms
+        return [max(base + v, _MIN_STEP_MS) for v in variable_ms]
+
     def draft_lookup(self, num_reqs: int) -> float:
         """`draft_cost_ms` of one request count, cached."""
         draft = self._draft_by_reqs.get(num_reqs)

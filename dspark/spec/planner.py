@@ -49,6 +49,7 @@ from dspark.spec.allocation import (
 from dspark.spec.cost_model import CostModel
 from dspark.spec.plan_reuse import BudgetDecision, StandingPlans
 from dspark.spec.rates import prefix_survival
+from dspark.spec.small_search import SMALL_SLOTS, best_budget_small, stale_survivals_small
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class Planner:
             num_sampling_reqs = caps.size
         if total is None:
             total = int(caps.sum())
-        cand, variable, ends, settled = self._context(caps.size, num_other_tokens, total)
+        cand, variable, ends, settled, small = self._context(caps.size, num_other_tokens, total)
         if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
             self.last_decision = settled
             return total
@@ -267,6 +268,12 @@ class Planner:
         self.searches += 1
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
+        if small is not None and (stale_conf is None or np.ndim(stale_conf) == 2):
+            d = self._search_small(stale_conf, caps, small, num_sampling_reqs, trim_penalty_ms,
+                                   opportunity_rate, survival_scale)  # fmt: skip
+            self.standing.put(group, d)
+            self.last_decision = d
+            return d.budget
         surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)
         if survival_scale != 1.0:
             surv = np.minimum(surv * survival_scale, 1.0)
@@ -279,12 +286,29 @@ class Planner:
         self.last_decision = d
         return d.budget
 
+    def _search_small(self, stale_conf, caps: np.ndarray, small: tuple, num_sampling_reqs: int,
+                      trim_penalty_ms: float, opportunity_rate: float | None,
+                      survival_scale: float) -> BudgetDecision:  # fmt: skip
+        """The search of plan_cpu on Python floats (small_search.py: the same decision, for
+        a batch of at most SMALL_SLOTS draft slots)."""
+        cand, variable = small
+        stale = [] if stale_conf is None else np.asarray(stale_conf).tolist()
+        surv = stale_survivals_small(stale, caps.tolist(), self.prior_conf)
+        if survival_scale != 1.0:
+            surv = [min(s * survival_scale, 1.0) for s in surv]
+        times = self.cost.add_fixed_list(variable)
+        if trim_penalty_ms > 0:  # (every candidate but verify-all, the last)
+            times = [t + trim_penalty_ms for t in times[:-1]] + times[-1:]
+        return best_budget_small(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
+                                 opportunity_rate)  # fmt: skip
+
     def _context(self, num_reqs: int, other: int, total: int) -> tuple:
         """What a batch shape's budget search needs besides the confidences: the candidate
         budgets, their step times without the fixed term (which is learned online, so added
-        per step), those of n = 0 and n = total (the bound), and the bound's decision. Cached
-        per shape: at steady state the same shape repeats step after step, and building it
-        costs more than the search itself."""
+        per step), those of n = 0 and n = total (the bound), the bound's decision, and for a
+        batch of at most SMALL_SLOTS draft slots the first two as Python lists (the search on
+        Python floats; else None). Cached per shape: at steady state the same shape repeats
+        step after step, and building it costs more than the search itself."""
         key = (num_reqs, other, total, self.cost.greedy_drafts)
         ctx = self._contexts.get(key)
         if ctx is None:
@@ -297,9 +321,10 @@ class Planner:
                 np.array([num_reqs + other, num_reqs + other + total]), num_reqs)))
             # the decision of a plan the bound settles (verify-all; read, never written)
             settled = BudgetDecision(total, total, float("nan"), float("nan"), 0.0, False)
+            small = (cand.tolist(), variable.tolist()) if total <= SMALL_SLOTS else None
             if len(self._contexts) > 4096:
                 self._contexts.clear()
-            ctx = self._contexts[key] = (cand, variable, ends, settled)
+            ctx = self._contexts[key] = (cand, variable, ends, settled, small)
         return ctx
 
     def bound_settles(self, num_reqs: int, total: int) -> bool:
@@ -307,7 +332,7 @@ class Planner:
         penalty: plan_cpu would return `total` for any penalty >= 0, whatever the
         confidences, so the caller skips gathering its inputs (the common step at low load).
         Records the decision as plan_cpu would."""
-        _, _, ends, settled = self._context(num_reqs, 0, total)
+        _, _, ends, settled, _ = self._context(num_reqs, 0, total)
         if not self._bound_settles(ends, 0.0):
             return False
         self.last_decision = settled

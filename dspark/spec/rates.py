@@ -54,10 +54,10 @@ def prefix_survival(stale: np.ndarray, prior_conf: float = 1.0, dtype=None) -> n
     # of 1.0 one call both fills unknowns and clips from above
     if prior_conf == 1.0:
         conf = np.fmin(stale, 1.0, dtype=dtype)
-    else:
-        conf = np.where(np.isnan(stale), prior_conf, stale)
+    else:  # (in `dtype` before the prior goes in: a float64 result holds the prior exactly)
         if dtype is not None:
-            conf = conf.astype(dtype, copy=False)
+            stale = stale.astype(dtype, copy=False)
+        conf = np.where(np.isnan(stale), prior_conf, stale)
         np.fmin(conf, 1.0, out=conf)
     np.fmax(conf, 0.0, out=conf)
     return conf.cumprod(axis=1, out=conf)
