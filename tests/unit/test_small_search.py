@@ -67,7 +67,7 @@ def _same(a, b) -> bool:
 
 def _planner(cost, small: bool, monkeypatch) -> Planner:
     p = Planner("lagged", cost, reuse_clear_plans=1, reuse_trimmed_plans=1)
-    if not small:  # contexts built while the limit is 0 carry no Python lists
+    if not small:  # contexts built while the limit is -1 carry no Python lists
         monkeypatch.setattr(pl, "SMALL_SLOTS", -1)
     return p
 
@@ -98,7 +98,7 @@ def test_the_planner_decides_the_same_on_either_path(monkeypatch):
     assert searched > 20  # searches on Python floats were compared
 
 
-def test_larger_batches_search_in_numpy(monkeypatch):
+def test_larger_batches_search_in_numpy():
     cost = random_cost(np.random.default_rng(4), max_tokens=600)
     p = Planner("lagged", cost, reuse_clear_plans=1, reuse_trimmed_plans=1)
     called, search = [], p._search_small
