@@ -271,17 +271,15 @@ class Planner:
         if small is not None and (stale_conf is None or np.ndim(stale_conf) == 2):
             d = self._search_small(stale_conf, caps, small, num_sampling_reqs, trim_penalty_ms,
                                    opportunity_rate, survival_scale)  # fmt: skip
-            self.standing.put(group, d)
-            self.last_decision = d
-            return d.budget
-        surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)
-        if survival_scale != 1.0:
-            surv = np.minimum(surv * survival_scale, 1.0)
-        times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's
-        if trim_penalty_ms > 0:
-            times = times + penalties(cand, trim_penalty_ms)
-        d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
-                        opportunity_rate)  # fmt: skip
+        else:
+            surv = _stale_survivals(stale_conf, caps, self.prior_conf, total)
+            if survival_scale != 1.0:
+                surv = np.minimum(surv * survival_scale, 1.0)
+            times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's
+            if trim_penalty_ms > 0:
+                times = times + penalties(cand, trim_penalty_ms)
+            d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
+                            opportunity_rate)  # fmt: skip
         self.standing.put(group, d)
         self.last_decision = d
         return d.budget

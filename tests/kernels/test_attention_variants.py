@@ -75,10 +75,10 @@ def test_warmup_runs_every_variant(short_query_len):
     # with prefill chunks whose rows verify nothing attends its decode rows with the 1-token
     # tile (AttentionMetadata.short_query_len)
     runs = [(short_query_len, False)] + ([(1, True)] if short_query_len > 1 else [])
-    expected = [(q, s, short) for short, only in runs
-                for q, s in set(paw.launch_variants(2, 16, 4, short, only).values())]  # fmt: skip
-    assert n == sum(len(paw.launch_variants(2, 16, 4, short, only)) for short, only in runs)
-    assert sorted(calls) == sorted(expected)
+    variants = {short: paw.launch_variants(2, 16, 4, short, only) for short, only in runs}
+    assert n == sum(len(v) for v in variants.values())
+    assert sorted(calls) == sorted((q, s, short) for short, v in variants.items()
+                                   for q, s in set(v.values()))  # fmt: skip
     assert {s for _, s, _ in calls} == {1, 2, 4}
 
 

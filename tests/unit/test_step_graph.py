@@ -536,4 +536,3 @@ def test_idle_plain_graphs_are_captured_where_drafting_can_be_off(tiny_qwen, dra
     captured = {k for k in keys if k[0] == "plain" and k[-1] == "idle"}
     assert captured == ({("plain", rb, m, "idle") for rb in sg.buckets
                          for m in ("greedy", "sample")} if idle else set())  # fmt: skip
-
