@@ -227,6 +227,8 @@ class Planner:
         self.prior_conf = prior_conf
         self.snap_to_graphs = snap_to_graphs
         self.last_decision: BudgetDecision | None = None
+        # whether the latest plan_cpu (or bound_settles) settled verify-all by the cost bound
+        self.last_settled = False  # (confidences unread, no search)
         self._tables: dict[tuple, torch.Tensor] = {}
         self._contexts: dict[tuple, tuple] = {}  # host: per batch shape (_context)
         # searched plans reused for nearby shapes, confidences unread (plan_reuse.py)
@@ -255,7 +257,9 @@ class Planner:
         if total is None:
             total = int(caps.sum())
         cand, variable, ends, settled, small = self._context(caps.size, num_other_tokens, total)
-        if opportunity_rate is None and self._bound_settles(ends, trim_penalty_ms):
+        self.last_settled = opportunity_rate is None and self._bound_settles(ends,
+                                                                               trim_penalty_ms)
+        if self.last_settled:
             self.last_decision = settled
             return total
         group = StandingPlans.group(caps.size, num_other_tokens, trim_penalty_ms,
@@ -333,7 +337,7 @@ class Planner:
         _, _, ends, settled, _ = self._context(num_reqs, 0, total)
         if not self._bound_settles(ends, 0.0):
             return False
-        self.last_decision = settled
+        self.last_decision, self.last_settled = settled, True
         return True
 
     def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,

@@ -3,17 +3,20 @@ from stale host confidences, the drafting decision's cadence, every step's kind,
 online cost model observes of the step once it ran.
 
 A plan the cost bound settles (verify every draft, whatever the confidences: the common step
-at low load), or a searched one that verifies every draft clear of the guard, stands for the
-next SETTLED_PLANS - 1 plans of the same shape (requests, draft fills, sampling mode; no
-prefill chunk) that do not re-run the drafting decision: those verify every draft without
-re-reading the learned fixed term, the bound or the confidences. On small
-host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
-H200 host's serving loop, twenty-fifth session), most of it such steps. A standing plan reads
-terms at most SETTLED_PLANS - 1 plans old (the fixed term is a fenced mean of 15 steps and moves
-little in that time); a decision step re-reads everything. Likewise a plain step while
-drafting is off (nothing to verify, no decision due) reads neither the terms nor the planner:
-2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the H200 host's serving loop spent
-25-46 µs planning each of the demo pair's plain steps (twenty-seventh session). Lossless
+at low load; also one it settles only with the learned trim penalty, as on a host-bound pair
+whose trims save nothing), or a searched one that verifies every draft clear of the guard,
+stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, draft fills, sampling
+mode; no prefill chunk) that do not re-run the drafting decision: those verify every draft
+without re-reading the learned fixed term, the bound or the confidences. On small host-bound
+pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the H200 host's
+serving loop, twenty-fifth session), most of it such steps; the trained pair at T = 0, c = 1,
+whose plans the penalty settled, spent 55 µs on each of them (thirty-first session). A
+standing plan reads terms at most SETTLED_PLANS - 1 plans old (the fixed term is a fenced mean
+of 15 steps and moves little in that time); a decision step re-reads everything. Likewise a
+plain step while drafting is off (nothing to verify, no decision due) reads neither the terms
+nor the planner: 2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the H200
+host's serving loop spent 25-46 µs planning each of the demo pair's plain steps
+(twenty-seventh session). Lossless
 either way: the budget only says how many drafts are verified.
 """
 
@@ -142,11 +145,15 @@ class StepPlanning:
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
                                            total=total)  # fmt: skip
             d = self.planner.last_decision
-            if (not other and self.settled_plans > 1 and self.planner.searches > searches
-                    and clear_of_guard(d, self.planner.min_predicted_gain)):  # fmt: skip
-                # a searched verify-all clear of the guard stands here, as a settled plan does
-                # (instead of in the planner, whose standing plans re-read the terms first)
-                self.planner.retire_standing()
+            searched = self.planner.searches > searches
+            if not other and self.settled_plans > 1 and (self.planner.last_settled or (
+                    searched and clear_of_guard(d, self.planner.min_predicted_gain))):
+                # a verify-all the bound settles with the trim penalty (where trimmed steps
+                # were measured to save nothing), or a searched one clear of the guard, stands
+                # here as a plan the bound settles outright does (a searched one instead of in
+                # the planner, whose standing plans re-read the terms first)
+                if searched:
+                    self.planner.retire_standing()
                 self._stand(n, total, greedy)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)

@@ -161,6 +161,32 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     assert spec.planner.searches - before == 2
 
 
+def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter):
+    """Where the bound settles verify-all only with the learned trim penalty (a host-bound
+    pair whose trimmed steps were measured to save nothing: the trained pair at T = 0, c = 1
+    on the H200, 31st session), that plan stands for the next plans of its shape as one the
+    bound settles outright does: one re-read of the terms per SETTLED_PLANS decode plans, not
+    one per plan (each ~55 us in the H200 host's serving loop). Without the penalty it would
+    search."""
+    spec, _, host = _steep_decode_step(tiny_qwen, drafter, "profiled")
+    n, total = host.get("num_reqs"), host.get("num_draft_fills")
+    assert not spec.planner.bound_settles(n, total)  # verification costs by the table
+    for fixed in spec._fixed_by_mode.values():  # trimmed steps measured 100 ms dearer
+        fixed.trim_penalty_ms = lambda *a: 100.0
+    reads, apply_terms, searches = [0], spec._apply_terms, spec.planner.searches
+
+    def counting(*a):
+        reads[0] += 1
+        return apply_terms(*a)
+
+    spec._apply_terms, spec._settled_left = counting, 0
+    budgets = [spec.plan(host) for _ in range(3 * SETTLED_PLANS)]
+    assert budgets == [total] * len(budgets)  # verify-all throughout
+    assert reads[0] == 3 and spec.planner.searches == searches  # settled, not searched
+    spec.settled_plans, spec._settled_left, reads[0] = 1, 0, 0  # without standing: every plan
+    assert [spec.plan(host) for _ in range(8)] == [total] * 8 and reads[0] == 8
+
+
 def _steep_decode_step(tiny_qwen, drafter, source: str):
     """A lagged engine at 4-7 requests priced by a steep table (verification costs: the
     random drafter's drafts are worth trimming by it) of provenance `source` ("profiled":
