@@ -16,8 +16,8 @@ of 15 steps and moves little in that time); a decision step re-reads everything.
 plain step while drafting is off (nothing to verify, no decision due) reads neither the terms
 nor the planner: 2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the H200
 host's serving loop spent 25-46 µs planning each of the demo pair's plain steps
-(twenty-seventh session). Lossless
-either way: the budget only says how many drafts are verified.
+(twenty-seventh session). Lossless either way: the budget only says how many drafts are
+verified.
 """
 
 from __future__ import annotations
