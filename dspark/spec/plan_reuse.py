@@ -68,12 +68,14 @@ def rate_group(rate: float | None) -> int | None:
     return None if rate is None else int(math.log(max(rate, 1e-6)) * 20.0)
 
 
-def rescaled(d: BudgetDecision, cand: np.ndarray, total: int) -> BudgetDecision:
+def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
     """A standing decision carried to a nearby shape of `total` drafts: verify-all stays
     verify-all; a trimmed budget keeps its share of the drafts, rounded down to one of this
-    shape's candidate budgets (those that fill a captured graph)."""
+    shape's candidate budgets (those that fill a captured graph). `cand`: those budgets, or a
+    callable returning them (called only for a trimmed budget)."""
     budget = total
     if d.trimmed:
+        cand = cand() if callable(cand) else cand
         want = round(d.budget * total / max(d.max_budget, 1))
         budget = int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)])
     return BudgetDecision(budget, total, d.theta_best, d.theta_full, d.predicted_gain,
@@ -91,9 +93,9 @@ class StandingPlans:
         return (nearby_rows(num_reqs), nearby_other(num_other_tokens), trim_penalty_ms,
                 all_sampling, rate_group(opportunity_rate))  # fmt: skip
 
-    def take(self, group: tuple, cand: np.ndarray, total: int) -> BudgetDecision | None:
+    def take(self, group: tuple, cand, total: int) -> BudgetDecision | None:
         """The group's standing decision for a shape of `total` drafts (counted as used), or
-        None when none stands."""
+        None when none stands. `cand`: as for `rescaled`."""
         standing = self._plans.get(group)
         if standing is None or standing[0] <= 0:
             return None

@@ -588,6 +588,28 @@ def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates()
     assert len(reads) == 4
 
 
+def test_a_standing_plan_of_a_step_with_prefill_chunks_builds_no_context_for_its_chunk():
+    """Chunk sizes vary from step to step, and each size is its own shape context (the
+    candidate budgets and their step times: ~150 µs to build with the caches cold, development
+    machine). A step with prefill chunks has no bound to check, so a standing plan of its group
+    is taken without building its chunk's context, unless a trimmed plan must be rescaled to
+    another draft count. The budgets are those of a planner that builds every context."""
+    from dspark.spec.plan_reuse import rescaled
+
+    steep = CostModel.from_measurements([1, 512], [1.0, 64.0])
+    p = Planner("lagged", steep, reuse_trimmed_plans=8, reuse_clear_plans=8)
+    caps, weak = np.full(8, 3), np.full((8, 3), 0.3)
+    first = p.plan_cpu(weak, caps, 300, 8, opportunity_rate=1.93)
+    d = p.last_decision
+    assert d.trimmed and len(p._contexts) == 1
+    got = [p.plan_cpu(weak, caps, n, 8, opportunity_rate=1.93) for n in (301, 350, 420, 511)]
+    assert got == [first] * 4 and len(p._contexts) == 1 and p.searches == 1
+    fewer = np.array([3] * 7 + [1])  # 22 drafts: the trimmed plan is rescaled, by its context
+    b = p.plan_cpu(weak, fewer, 400, 8, opportunity_rate=1.93)
+    assert len(p._contexts) == 2 and p.searches == 1
+    assert b == rescaled(d, p._context(8, 400, 22)[0], 22).budget
+
+
 def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts():
     """Shapes whose request counts are within ~6% (33 rows after 32; 240-255; 256-287) share
     a standing plan: a trimmed budget is carried over as the same share of the new shape's
