@@ -164,7 +164,7 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
 def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter):
     """Where the bound settles verify-all only with the learned trim penalty (a host-bound
     pair whose trimmed steps were measured to save nothing: the trained pair at T = 0, c = 1
-    on the H200, 31st session), that plan stands for the next plans of its shape as one the
+    on the H200, thirty-first session), that plan stands for the next plans of its shape as one the
     bound settles outright does: one re-read of the terms per SETTLED_PLANS decode plans, not
     one per plan (each ~55 us in the H200 host's serving loop). Without the penalty it would
     search."""
