@@ -2,7 +2,8 @@
 the demo pair with its device work stubbed (scripts/host_step_cost.py) runs a few decode
 steps with drafting on, then one packed step is planned repeatedly and timed (the fastest of
 a few runs), as the engine plans (a clear verify-all plan is reused for the next plans of its
-shape) and without reuse, with the parts: the stale-confidence read, the exact no-trim bound,
+shape) and without reuse, the planner's plan of a step with a prefill chunk of varying size
+(plans reused), with the parts: the stale-confidence read, the exact no-trim bound,
 the budget search (uncached, plan_budget_lagged, numpy) and the planner's own (on Python floats
 up to SMALL_SLOTS draft slots), the drafting decision's survey.
 
@@ -19,6 +20,7 @@ per search and 90-230 us per decision for the demo pair (eighteenth to thirtieth
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -90,12 +92,19 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
     timed = (lambda fn, n: cold_call_us(fn, n // 10)) if cold else per_call_us
     plan = timed(lambda: sd.plan(host), repeats)  # the engine's (plans reused)
+    # the planner's plan of a step with a prefill chunk (an opportunity rate: no bound) whose
+    # size varies from step to step, as it does in serving, plans reused: each call a size not
+    # seen before, within one size group (2,049-4,096 tokens) so that plans stand for each other
+    sizes = itertools.cycle(np.random.default_rng(0).permutation(np.arange(2049, 4097)).tolist())
+    chunk = timed(lambda: sd.planner.plan_cpu(stale, caps, next(sizes), caps.size, 0.0, 2.0),
+                  repeats)  # fmt: skip
     # (the planner's standing plans: StandingPlans holds the counts)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
     parts = {
         "plan": plan,
         "plan without reuse": timed(lambda: sd.plan(host), repeats),
+        "chunk plan": chunk,
         "stale read": timed(lambda: sd._stale(slots), repeats),
         "bound": timed(lambda: sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0),
                        repeats),  # fmt: skip
