@@ -350,12 +350,18 @@ def main() -> int:
                  f"{','.join(args.arms)!r}")  # fmt: skip
     if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
         ap.error("--rounds must be >= 1, and above 1 only with --interleave")
+    if args.identity_prompts < 0:  # (checked now: the offline pass runs after the sweep)
+        ap.error("--identity-prompts must be >= 0 (0: skip the offline pass)")
+    if args.identity_tokens < 1:
+        ap.error("--identity-tokens must be >= 1")
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
         ap.error("--interleave needs --num-kv-blocks (the first server would take the memory)")
     os.makedirs(args.out, exist_ok=True)
     label = "SYNTHETIC acceptance " if args.synthetic_rates else ""
     temps = [float(t) for t in args.temperatures.split(",")]
     results = (run_interleaved if args.interleave else run_sequential)(args, temps)
+    # the sweep's summary first: a run cut in the offline pass (a caller's timeout) keeps it
+    write_summary(args, results, {"offline_pass": "not finished"})
     checks = offline_checks(args) if args.identity_prompts > 0 else {
         "identical_at_t0": None, "num_prompts": 0, "overhead": None, "mismatching_prompts": {}}
     # which execution path each server ran (a failed capture silently changes the arm)
@@ -364,10 +370,7 @@ def main() -> int:
     # why the adaptive server drafted or not, in its own words (dspark.spec.drafting)
     checks["drafting_flips"] = drafting_flips(
         os.path.join(args.out, f"serve_{list(arms(args))[-1]}.log"))
-    summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
-               "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
-    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    write_summary(args, results, checks)
     for t in temps:
         files = [os.path.join(args.out, f"{a}_t{t:g}.json") for a in arms(args)]
         subprocess.run([sys.executable, "-m", "dspark", "bench", "plot", *files, "-o",
@@ -375,6 +378,13 @@ def main() -> int:
                         f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
     print_table(list(arms(args)), temps, results, checks, label)
     return 0
+
+
+def write_summary(args, results: dict, checks: dict) -> None:
+    summary = {"args": vars(args), "checks": checks, "synthetic": bool(args.synthetic_rates),
+               "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
 
 
 def graph_status(log_path: str) -> dict:

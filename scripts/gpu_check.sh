@@ -54,8 +54,9 @@
 # (the trained pair's interleaved run, 405 s with one round, still saw the same host work take
 # 0.6-1.9x as long in one arm as in another within a level: twenty-first session). One
 # temperature, --rounds 3, 7 levels, --engine-cpus 1 on the trained pair ran past 570 s (its
-# per-round files were all written, the identity pass was cut); --rounds 2 over 6 levels
-# took 335 s without the identity pass and 377 s with it (thirty-first session).
+# per-round files were all written, the identity pass was cut; bench_e2e.py now writes its
+# summary before that pass); --rounds 2 over 6 levels took 335 s without the identity pass
+# and 377 s with it (thirty-first session).
 # E2E_ARGS="--num-prompts 16 --warmup 8 --range-ratio 0.5" for synth: prompt and output
 # lengths drawn per request from [L/2, 3L/2], so no-spec's requests leave the lockstep that
 # one output length gives a closed loop (twenty-sixth session: adaptive's steps with prefill

@@ -175,6 +175,16 @@ def test_bench_e2e_rejects_arms_without_adaptive():
     assert proc.returncode == 2 and "--arms: adaptive and one or both" in proc.stderr
 
 
+@pytest.mark.parametrize("flag,value", [("--identity-tokens", "0"),
+                                        ("--identity-prompts", "-1")])
+def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(flag, value):
+    """The offline identity pass runs after the sweep (up to 10 minutes of device time): a
+    setting it cannot run with is refused at once, naming the flag."""
+    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", "t", "--drafter", "d", flag, value]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"{flag} must be" in proc.stderr, proc.stderr[-500:]
+
+
 @pytest.mark.parametrize("synthetic,interleave", [(False, False), (True, True)])
 def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps, offline checks), so
