@@ -35,7 +35,7 @@ from host_step_cost import DEMO, demo_spec, prefill_all, stub_device_work  # noq
 
 import dspark.engine.model_runner as mr  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
-from dspark.spec import planner as pl  # noqa: E402
+from dspark.spec.budget_search import plan_budget_lagged  # noqa: E402
 
 
 def per_call_us(fn, n: int, blocks: int = 5) -> float:
@@ -108,7 +108,7 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
         "stale read": timed(lambda: sd._stale(slots), repeats),
         "bound": timed(lambda: sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0),
                        repeats),  # fmt: skip
-        "search": timed(lambda: pl.plan_budget_lagged(stale, caps, 0, caps.size, cost),
+        "search": timed(lambda: plan_budget_lagged(stale, caps, 0, caps.size, cost),
                         repeats),  # fmt: skip
         # the planner's own search (Python floats up to SMALL_SLOTS draft slots: small_search.py;
         # an opportunity rate, as in a step with prefill chunks, so no bound settles it)

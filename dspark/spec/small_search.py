@@ -2,7 +2,7 @@
 
 In the serving loop a plan runs after the step's other host work has pushed the planner's
 objects out of the caches, and there each numpy call costs 5-17 µs whatever its size: the
-planner's numpy search (`planner._stale_survivals` + `planner.best_budget`, ~20 calls) took
+planner's numpy search (`budget_search.stale_survivals` + `best_budget`, ~20 calls) took
 100-120 µs at 1-9 requests of 7 drafts with the caches swept first, against 20 µs in a hot loop
 (development machine; 160-270 µs a search in the H200 host's serving loop, demo pair). On Python
 floats the same search took 62 / 77 / 92 / 96 µs at 1 / 4 / 8 / 9 requests so (numpy: 101 /
@@ -27,7 +27,7 @@ SMALL_SLOTS = 64  # draft slots (capacities' sum) at most for the Python search
 
 def stale_survivals_small(stale: list[list[float]], caps: list[int],
                           prior_conf: float) -> list[float]:  # fmt: skip
-    """`planner._stale_survivals` for rows given as Python lists: every slot < capacity's
+    """`budget_search.stale_survivals` for rows given as Python lists: every slot < capacity's
     prefix survival, sorted descending. A row with an unknown confidence (NaN, or a row or
     column the stale copy lacks) takes the known rows' mean survivals; with no row known the
     prior fills the unknown confidences."""
@@ -68,7 +68,7 @@ def stale_survivals_small(stale: list[list[float]], caps: list[int],
 def best_budget_small(surv: list[float], cand: list[int], times: list[float],
                       num_sampling_reqs: int, min_predicted_gain: float,
                       opportunity_rate: float | None) -> BudgetDecision:  # fmt: skip
-    """`planner.best_budget` on Python lists: candidate budgets `cand` (verify-all last) with
+    """`budget_search.best_budget` on Python lists: candidate budgets `cand` (verify-all last) with
     their step times, and the sorted-descending survivals `surv`."""
     total = cand[-1]
     yields, acc = [float(num_sampling_reqs)], 0.0  # expected tokens of budgets 0..total

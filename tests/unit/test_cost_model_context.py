@@ -4,8 +4,9 @@ the profiled one (CostModel module docstring)."""
 import numpy as np
 import pytest
 
+from dspark.spec.budget_search import plan_budget_lagged
 from dspark.spec.cost_model import CostModel
-from dspark.spec.planner import Planner, plan_budget_lagged
+from dspark.spec.planner import Planner
 from dspark.spec.rates import decode_rates
 
 SLOPE = 3.6e-5  # ms per context token: the 8B shape's K and V at ~4 TB/s

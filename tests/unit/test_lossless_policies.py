@@ -16,13 +16,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dspark.spec.budget_search import plan_budget_lagged
 from dspark.spec.cost_model import CostModel
-from dspark.spec.planner import (
-    allocate_top_b,
-    early_stop_lengths,
-    plan_budget_lagged,
-    threshold_lengths,
-)
+from dspark.spec.planner import allocate_top_b, early_stop_lengths, threshold_lengths
 
 A, B = 0, 1
 P_T = np.array([0.7, 0.3])

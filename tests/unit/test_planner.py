@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.spec.budget_search import plan_budget_lagged
 from dspark.spec.cost_model import CostModel
 from dspark.spec.planner import (
     Planner,
     allocate_top_b,
     early_stop_lengths,
     fixed_lengths,
-    plan_budget_lagged,
     threshold_lengths,
 )
 
@@ -129,7 +129,7 @@ def test_lagged_prior_for_missing_and_nan_rows():
 def test_unknown_rows_take_the_known_rows_mean_survivals():
     """population_prior: the mean of the known rows' prefix survivals (not the survivals of
     their mean confidences), per position; a row with any NaN is unknown."""
-    from dspark.spec.planner import population_prior
+    from dspark.spec.budget_search import population_prior
 
     conf = np.array([[0.9, 0.9, 0.5], [0.1, 0.5, 1.0], [np.nan] * 3, [0.8, np.nan, 0.2]])
     surv = population_prior(conf, 1.0)
@@ -463,7 +463,7 @@ def test_stale_survivals_fast_path_matches_the_general_one():
     """Stale confidences covering every row take a shorter path (hot: every lagged step);
     it must give the general path's sorted survivals, NaN (unknown) entries and ragged
     capacities included."""
-    from dspark.spec.planner import _stale_survivals
+    from dspark.spec.budget_search import stale_survivals
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -473,10 +473,10 @@ def test_stale_survivals_fast_path_matches_the_general_one():
         conf = rng.uniform(-0.2, 1.2, (r + int(rng.integers(0, 3)), k + int(rng.integers(0, 2))))
         conf[rng.uniform(size=conf.shape) < 0.1] = np.nan
         prior = 1.0 if rng.uniform() < 0.5 else float(rng.uniform())  # 1.0: the default
-        np.testing.assert_array_equal(_stale_survivals(conf, caps, prior),
+        np.testing.assert_array_equal(stale_survivals(conf, caps, prior),
                                       _reference_survivals(conf[:r, :k], caps, prior))
         # rows missing: the general path, the missing rows unknown
-        got = _stale_survivals(conf[: r - 1], caps, prior)
+        got = stale_survivals(conf[: r - 1], caps, prior)
         c2 = np.vstack([conf[: r - 1, :k], np.full((1, k), np.nan)])
         np.testing.assert_array_equal(got, _reference_survivals(c2, caps, prior))
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dspark.spec import planner as pl
-from dspark.spec.planner import Planner, _stale_survivals, best_budget
+from dspark.spec.budget_search import best_budget, stale_survivals
+from dspark.spec.planner import Planner
 from dspark.spec.small_search import SMALL_SLOTS, best_budget_small, stale_survivals_small
 from tests.unit.test_planner import random_cost
 
@@ -30,10 +31,10 @@ def test_survivals_equal_the_numpy_path():
     for _ in range(500):
         caps, stale = _random_batch(rng)
         prior = 1.0 if rng.uniform() < 0.5 else float(rng.uniform())
-        want = _stale_survivals(stale, caps, prior).tolist()
+        want = stale_survivals(stale, caps, prior).tolist()
         assert stale_survivals_small(stale.tolist(), caps.tolist(), prior) == want
     caps = np.array([3, 2], dtype=np.int64)  # nothing known: the prior everywhere
-    assert stale_survivals_small([], caps.tolist(), 0.5) == _stale_survivals(None, caps,
+    assert stale_survivals_small([], caps.tolist(), 0.5) == stale_survivals(None, caps,
                                                                              0.5).tolist()
 
 
@@ -44,7 +45,7 @@ def test_best_budget_equals_the_numpy_path(rate):
     for _ in range(400):
         caps, stale = _random_batch(rng)
         total = int(caps.sum())
-        surv = _stale_survivals(stale, caps, 1.0) * rng.uniform(0.2, 1.0)
+        surv = stale_survivals(stale, caps, 1.0) * rng.uniform(0.2, 1.0)
         snapped = rng.uniform() < 0.5  # graph-size candidates, or every budget
         cand = np.arange(total + 1) if not snapped else np.unique(np.append(
             rng.integers(0, total + 1, int(rng.integers(1, 6))), total))  # fmt: skip
