@@ -73,6 +73,7 @@ class SpecDecoder(StepPlanning):
         self.cost = None
         self._online_cost = False
         self._step_reqs, self._step_other = 0, 0  # of the step planned last
+        self._settled = {}  # settled plans standing (step_planning.py)
         self._step_trimmed = False  # ... and whether its plan trimmed
         self._prediction: tuple | None = None  # see take_prediction
         self.cost_status = "not needed by this policy"
@@ -119,7 +120,7 @@ class SpecDecoder(StepPlanning):
         )
         self._fixed_by_mode = fixed_costs_by_mode()
         self.fixed_costs = self._fixed_by_mode[True]
-        self._settled_left = 0  # (a settled plan stands only under the model that settled it)
+        self._settled = {}  # (a settled plan stands only under the model that settled it)
         self._untrimmed_left, self._untrimmed_probed = 0, {}  # (step_planning.py)
         self.planner = Planner(
             self._policy,

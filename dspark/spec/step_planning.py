@@ -5,17 +5,17 @@ online cost model observes of the step once it ran.
 A plan the cost bound settles (verify every draft, whatever the confidences: the common step
 at low load; also one it settles only with the learned trim penalty, as on a host-bound pair
 whose trims save nothing), or a searched one that verifies every draft clear of the guard,
-stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, draft fills, sampling
-mode; no prefill chunk) that do not re-run the drafting decision: those verify every draft
-without re-reading the learned fixed term, the bound or the confidences. On small host-bound
-pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the H200 host's
-serving loop, twenty-fifth session), most of it such steps; the trained pair at T = 0, c = 1,
-whose plans the penalty settled, spent 55 µs on each of them (thirty-first session). A
-standing plan reads terms at most SETTLED_PLANS - 1 plans old (the fixed term is a fenced mean
-of 15 steps and moves little in that time); a decision step re-reads everything. Likewise a
-plain step while drafting is off (nothing to verify, no decision due) reads neither the terms
-nor the planner: 2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the H200
-host's serving loop spent 25-46 µs planning each of the demo pair's plain steps
+stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, sampling mode, at
+most its draft fills; no prefill chunk) that do not re-run the drafting decision: those verify
+every draft without re-reading the learned fixed term, the bound or the confidences. On small
+host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
+H200 host's serving loop, twenty-fifth session), most of it such steps; the trained pair at
+T = 0, c = 1, whose plans the penalty settled, spent 55 µs on each of them (thirty-first
+session). A standing plan reads terms at most SETTLED_PLANS - 1 plans old (the fixed term is
+a fenced mean of 15 steps and moves little in that time); a decision step re-reads everything.
+Likewise a plain step while drafting is off (nothing to verify, no decision due) reads neither
+the terms nor the planner: 2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the
+H200 host's serving loop spent 25-46 µs planning each of the demo pair's plain steps
 (twenty-seventh session). Lossless either way: the budget only says how many drafts are
 verified.
 """
@@ -45,8 +45,9 @@ class StepPlanning:
     observe_step_time (after commit), and the scheduler-overhead accounting."""
 
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
-    _settled_shape: tuple | None = None  # (requests, draft fills, greedy) of a settled plan
-    _settled_left = 0  # plans it still stands for (set_cost_model: 0)
+    # (requests, greedy) -> [the plan count it stands until, its draft fills] (_stand)
+    _settled: dict  # (set_cost_model: {})
+    _plans_counted = 0  # plans so far (a settled plan's age)
     _untrimmed_left = 0  # verify-all plans an untrimmed probe still runs (set_cost_model: 0)
     _untrimmed_probed: dict  # (greedy, bucket) -> observed steps at its last probe
     last_verifies = False  # whether the step last planned verifies drafts (the step clock)
@@ -67,10 +68,10 @@ class StepPlanning:
         self._draft_room = draft_room
         n, total, other, n_sampling, greedy, context = host.plan_scalars()
         self._step_reqs, self._step_other = n, other
+        self._plans_counted += 1
         lagged = self._policy == "lagged"
         decide = lagged and self.drafting.due(n)  # (every few steps, or the batch size moved)
-        standing = (lagged and not decide and other == 0 and self._settled_left > 0
-                    and self._settled_shape == (n, total, greedy))  # fmt: skip
+        standing = lagged and not decide and other == 0 and self._stands(n, total, greedy)
         # nothing to verify and no decision due (every step while drafting is off): no budget
         # to search (_plan returns 0 at once), so the terms are not applied; the next plan
         # that reads them applies them first. A change of sampling mode applies them (it
@@ -82,7 +83,6 @@ class StepPlanning:
                 self._apply_terms(n, greedy)
         budget = None
         if standing:
-            self._settled_left -= 1
             budget = self._after_budget(total, total, False, n, n_sampling, 0)
             self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
         elif lagged:
@@ -104,6 +104,8 @@ class StepPlanning:
         priced = self.cost.use_greedy_drafts(greedy)
         self.fixed_costs = self._fixed_by_mode[greedy]  # (and the fixed terms of the mode)
         moved = self._online_cost and self.fixed_costs.apply(self.cost, n)
+        if priced:  # (settled plans priced the other drafter)
+            self._settled.clear()
         if abs(self.cost.step_context_ms - self._tables_context_ms) > 0.05:
             self._tables_context_ms, moved = self.cost.step_context_ms, True
         if (priced or moved) and self.planner is not None:
@@ -113,7 +115,7 @@ class StepPlanning:
 
     def _plan(self, host, n: int, total: int, other: int, n_sampling: int, decide: bool,
               greedy: bool) -> int:  # fmt: skip
-        self._settled_left = 0
+        self._settled.pop((n, greedy), None)
         budget = 0
         if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
             budget = total  # what the full plan returns (a penalty only helps the bound)
@@ -163,8 +165,22 @@ class StepPlanning:
         return self._after_budget(budget, total, decide, n, n_sampling, other)
 
     def _stand(self, n: int, total: int, greedy: bool) -> None:
-        """This plan stands for the next settled_plans - 1 decode plans of its shape."""
-        self._settled_shape, self._settled_left = (n, total, greedy), self.settled_plans - 1
+        """This plan stands for the decode plans of its requests and sampling mode with at
+        most its draft fills among the next settled_plans - 1 plans, whatever shapes plan
+        between. In a server a finished request's row is refilled a step or two later, whose
+        first decode step has no drafts yet: at 16 requests the shape changed at 21-39% of
+        the verify steps (H200, trained pair, T = 0, thirty-first session), and with one
+        exact shape settled each change re-read the terms, as did the return to the shape
+        before. Fewer drafts verify in less time beside the same rows, so a bound that
+        settled verify-all settles it there too (a cost table that grows with tokens)."""
+        if len(self._settled) > 64:
+            self._settled.clear()
+        self._settled[(n, greedy)] = [self._plans_counted + self.settled_plans, total]
+
+    def _stands(self, n: int, total: int, greedy: bool) -> bool:
+        """Whether a settled plan stands for this decode plan (_stand)."""
+        s = self._settled.get((n, greedy))
+        return s is not None and self._plans_counted < s[0] and total <= s[1]
 
     def _untrimmed_probe(self, n: int, greedy: bool) -> bool:
         """Whether this decode plan verifies every draft to measure untrimmed steps: a bucket

@@ -1,6 +1,7 @@
 """A plan the cost bound settles stands for the next plans of its shape (step_planning.py):
 they verify every draft without re-reading the learned terms or re-checking the bound; a new
-shape, a drafting decision or a step with prefill chunks re-reads them. Output unchanged."""
+batch size, more draft fills than the settled plan's, a drafting decision or a step with
+prefill chunks re-reads them. Output unchanged."""
 
 from __future__ import annotations
 
@@ -60,18 +61,73 @@ def test_a_settled_plan_stands_for_the_plans_of_its_shape(tiny_qwen, drafter, tm
     standing = [i for i, p in enumerate(plans) if not p[3]]
     decode = [p for p in plans if p[2] == 0 and p[1] > 0]
     assert len(standing) >= len(decode) // 3, (len(standing), len(decode))  # it happens
-    run = 0
-    for i in standing:
-        n, total, other, _, due, budget = plans[i]
-        # verify-all, on a decode step with no decision due, of the shape of the plan before
-        assert other == 0 and not due and budget == total > 0
-        assert plans[i - 1][:2] == (n, total)
-        run = run + 1 if i - 1 in standing else 1
-        assert run <= SETTLED_PLANS - 1
-    # every plan that changed shape, decided, or carried prefill chunks re-read the terms
-    for prev, cur in zip(plans, plans[1:]):
-        if cur[:2] != prev[:2] or cur[4] or cur[2] > 0:
-            assert cur[3], (prev, cur)
+    for i, (n, total, other, reread, due, budget) in enumerate(plans):
+        # the last decode plan of these requests that re-read the terms (settled here: the
+        # cheap table's bound settles every decode plan)
+        j = next((j for j in range(i - 1, -1, -1)
+                  if plans[j][3] and plans[j][0] == n and plans[j][2] == 0), None)  # fmt: skip
+        could_stand = (not due and other == 0 and j is not None and i - j < SETTLED_PLANS
+                       and total <= plans[j][1])  # fmt: skip
+        # a standing plan: verify-all, on a decode step with no decision due, within
+        # SETTLED_PLANS - 1 plans of the plan that settled its requests, with at most its
+        # draft fills; every other plan re-read the terms
+        assert reread != could_stand, (plans[j] if j is not None else None, plans[i])
+        if not reread:
+            assert budget == total > 0
+
+
+class _Shape:
+    """A packed host step planned as if it had `n` requests and `total` draft fills (the
+    plans below read only its scalars: the bound settles them)."""
+
+    def __init__(self, host, n: int, total: int):
+        self.host, self.n, self.total = host, n, total
+
+    def plan_scalars(self):
+        _, _, other, _, greedy, context = self.host.plan_scalars()
+        return self.n, self.total, other, self.n, greedy, context
+
+
+def test_a_settled_plan_stands_for_fewer_fills_and_across_other_shapes(tiny_qwen, drafter,
+                                                                       tmp_path):  # fmt: skip
+    """In a server a finished request's row is refilled a step or two later and its first
+    decode step has no drafts yet: the batch goes n -> n - 1 -> n with fewer fills -> n. A plan
+    settled at n stands for n's plans with as many or fewer fills among the next
+    SETTLED_PLANS - 1 plans, whatever plans between; more fills, or an older settlement,
+    re-read the terms."""
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=2.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256, draft_skipping=False)
+    spec, hosts, plan = llm.engine.runner.spec, [], llm.engine.runner.spec.plan
+    spec.plan = lambda host, *room: hosts.append(host) or plan(host, *room)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
+    host = next(h for h in hosts if h.prefill_tokens() == 0 and h.get("num_draft_fills") > 0)
+    spec.plan, spec.drafting.due = plan, lambda num_reqs: False
+    reads, apply_terms, k = [0], spec._apply_terms, spec.k
+
+    def counting(*a):
+        reads[0] += 1
+        return apply_terms(*a)
+
+    spec._apply_terms, spec._settled = counting, {}
+
+    def rereads(n: int, fills: int) -> bool:
+        before = reads[0]
+        assert spec.plan(_Shape(host, n, fills)) == fills  # verify-all throughout
+        return reads[0] > before
+
+    assert rereads(6, 6 * k)  # settles 6 requests
+    assert not rereads(6, 5 * k)  # a refilled row without drafts: stands
+    assert rereads(5, 5 * k)  # a request fewer: its own plan, settled
+    assert not rereads(6, 6 * k) and not rereads(5, 5 * k)  # each stands again
+    assert not rereads(6, 6 * k - 1)
+    for _ in range(SETTLED_PLANS - 6):
+        assert not rereads(6, 6 * k)
+    assert rereads(6, 6 * k)  # SETTLED_PLANS plans after it settled: re-read, settles again
+    assert not rereads(5, 5 * k)  # 5 settled two plans after 6: it stands one plan longer
+    assert rereads(5, 5 * k)
+    assert rereads(5, 5 * k + 1)  # more fills than it settled with: re-read
 
 
 def test_without_standing_every_plan_rereads(tiny_qwen, drafter, tmp_path):
@@ -121,7 +177,7 @@ def test_a_bucket_that_only_trims_measures_untrimmed_steps(tiny_qwen, drafter):
     assert spec._untrimmed_left == 0 and spec._untrimmed_probed == probed
     for _ in range(UNTRIMMED_PROBE_EVERY):
         fixed.observe("trim", residual_ms(n + 2), n, 8.0)
-    spec._settled_left = 0  # (no standing verify-all plan in the way)
+    spec._settled.clear()  # (no standing verify-all plan in the way)
     assert spec.plan(host) == total  # probing again
     assert spec._untrimmed_left == UNTRIMMED_PROBE_STEPS - 1
     for _ in range(MIN_SAMPLES):  # its steps, observed: as long as the trimmed ones
@@ -156,7 +212,7 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     assert spec.planner.searches - searches == 3  # one search per SETTLED_PLANS plans
     assert reads[0] == 3
     spec.settled_plans = 1  # without standing here: the planner's own plans stand (15 plans)
-    spec._settled_left, before = 0, spec.planner.searches
+    spec._settled, before = {}, spec.planner.searches
     assert [spec.plan(host) for _ in range(32)] == [total] * 32
     assert spec.planner.searches - before == 2
 
@@ -179,11 +235,11 @@ def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter)
         reads[0] += 1
         return apply_terms(*a)
 
-    spec._apply_terms, spec._settled_left = counting, 0
+    spec._apply_terms, spec._settled = counting, {}
     budgets = [spec.plan(host) for _ in range(3 * SETTLED_PLANS)]
     assert budgets == [total] * len(budgets)  # verify-all throughout
     assert reads[0] == 3 and spec.planner.searches == searches  # settled, not searched
-    spec.settled_plans, spec._settled_left, reads[0] = 1, 0, 0  # without standing: every plan
+    spec.settled_plans, spec._settled, reads[0] = 1, {}, 0  # without standing: every plan
     assert [spec.plan(host) for _ in range(8)] == [total] * 8 and reads[0] == 8
 
 
