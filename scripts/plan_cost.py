@@ -3,9 +3,10 @@ the demo pair with its device work stubbed (scripts/host_step_cost.py) runs a fe
 steps with drafting on, then one packed step is planned repeatedly and timed (the fastest of
 a few runs), as the engine plans (a clear verify-all plan is reused for the next plans of its
 shape) and without reuse, the planner's plan of a step with a prefill chunk of varying size
-(plans reused), with the parts: the stale-confidence read, the exact no-trim bound,
-the budget search (uncached, plan_budget_lagged, numpy) and the planner's own (on Python floats
-up to SMALL_SLOTS draft slots), the drafting decision's survey.
+(plans reused), a plan on which the drafting decision is due, with the parts: the
+stale-confidence read, the exact no-trim bound, the budget search (uncached,
+plan_budget_lagged, numpy) and the planner's own (on Python floats up to SMALL_SLOTS draft
+slots), the drafting decision's survey.
 
 `--cold`: each call after a sweep of the caches (a read of 64 MiB, not timed), the median of
 the calls. In the engine's loop a plan runs after the step's other host work has pushed its
@@ -98,6 +99,14 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     sizes = itertools.cycle(np.random.default_rng(0).permutation(np.arange(2049, 4097)).tolist())
     chunk = timed(lambda: sd.planner.plan_cpu(stale, caps, next(sizes), caps.size, 0.0, 2.0),
                   repeats)  # fmt: skip
+    # a decode plan on which the drafting decision is due (every few steps, and whenever the
+    # batch size moves by a quarter: its stale confidences read and surveyed, drafting priced)
+    due = sd.drafting.due
+    sd.drafting.due = lambda num_reqs: True
+    try:
+        decision = timed(lambda: sd.plan(host), repeats)
+    finally:
+        sd.drafting.due = due
     # (the planner's standing plans: StandingPlans holds the counts)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
@@ -105,6 +114,7 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
         "plan": plan,
         "plan without reuse": timed(lambda: sd.plan(host), repeats),
         "chunk plan": chunk,
+        "decision plan": decision,
         "stale read": timed(lambda: sd._stale(slots), repeats),
         "bound": timed(lambda: sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0),
                        repeats),  # fmt: skip
