@@ -12,21 +12,15 @@ import numpy as np
 from dspark.spec.budget_search import plan_budget_lagged
 from dspark.spec.cost_model import CostModel
 from dspark.spec.planner import Planner
-from tests.unit.test_planner import random_cost
+from tests.unit.test_planner import random_planner
 
 
 def test_a_chunk_step_the_bound_settles_is_verify_all_for_any_confidences():
     rng = np.random.default_rng(11)
     settled = searched = 0
     for step in range(400):
-        cost = random_cost(rng, max_tokens=160)
-        cost.fixed_overhead_ms = float(rng.choice([0.0, rng.uniform(0, 20)]))
-        snap = bool(rng.integers(2))
-        if snap:
-            cost.graph_sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # (flat random tables)
-            planner = Planner("lagged", cost, snap_to_graphs=snap)
+        cost, planner, snap = random_planner(rng, 160, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128,
+                                                        160])  # fmt: skip
         num_reqs = int(rng.integers(1, 7))
         caps = rng.integers(1, 8, num_reqs)
         total, other = int(caps.sum()), int(rng.integers(1, 100))

@@ -33,6 +33,20 @@ def random_cost(rng, max_tokens=64):
                                        fixed_ms=rng.uniform(0, 2))
 
 
+def random_planner(rng, max_tokens: int, graph_sizes: list[int]):
+    """A lagged planner over random_cost with a random fixed term, snapping to `graph_sizes`
+    half of the time: (cost, planner, snap)."""
+    cost = random_cost(rng, max_tokens=max_tokens)
+    cost.fixed_overhead_ms = float(rng.choice([0.0, rng.uniform(0, 20)]))
+    snap = bool(rng.integers(2))
+    if snap:
+        cost.graph_sizes = graph_sizes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (flat random tables)
+        planner = Planner("lagged", cost, snap_to_graphs=snap)
+    return cost, planner, snap
+
+
 def brute_force_plan(conf, caps, other, n_sampling, cost, min_gain, allowed=None):
     """Exhaustive search over every plan l (not just top-n sets), then the guard."""
     num_reqs = len(caps)
@@ -677,14 +691,7 @@ def test_a_step_the_bound_settles_is_verify_all_for_any_penalty_and_confidences(
     rng = np.random.default_rng(5)
     settled = searched = 0
     for step in range(400):
-        cost = random_cost(rng, max_tokens=96)
-        cost.fixed_overhead_ms = float(rng.choice([0.0, rng.uniform(0, 20)]))
-        snap = bool(rng.integers(2))
-        if snap:
-            cost.graph_sizes = [1, 2, 4, 8, 16, 24, 32, 48]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # (flat random tables)
-            planner = Planner("lagged", cost, snap_to_graphs=snap)
+        cost, planner, snap = random_planner(rng, 96, [1, 2, 4, 8, 16, 24, 32, 48])
         num_reqs = int(rng.integers(1, 7))
         caps = rng.integers(1, 8, num_reqs)
         total = int(caps.sum())
