@@ -219,7 +219,25 @@ def median_round(rounds: list[dict]) -> dict:
     chosen = rounds[order[(len(rounds) - 1) // 2]]
     if len(rounds) > 1:
         chosen["results"][0]["rounds_output_throughput"] = tput
+        shared = [shared_host_ms(r["results"][0]) for r in rounds]
+        if None not in shared:  # (servers run with DSPARK_HOST_TIMERS=1)
+            chosen["results"][0]["rounds_shared_host_ms"] = shared
     return chosen
+
+
+SHARED_HOST_PARTS = ("commit", "outputs", "schedule")
+
+
+def shared_host_ms(level: dict) -> float | None:
+    """The engine's host ms per step in the parts whose code every speculative arm shares
+    (SHARED_HOST_PARTS, from DSPARK_HOST_TIMERS), None without them. Their ratio between two
+    arms' rounds says how fast the host ran for each: on the H200 machine it moved the
+    trained pair's round pairs more than planning did (thirty-second session: every pair
+    decided by more than 10% had the winner's shared parts faster)."""
+    host = level.get("host_ms_per_step")
+    if not host or any(p not in host for p in SHARED_HOST_PARTS):
+        return None
+    return float(sum(host[p] for p in SHARED_HOST_PARTS))
 
 
 def offline_checks(args) -> dict:

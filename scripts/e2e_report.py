@@ -44,6 +44,18 @@ def paired_by_round(levels: list[dict], against: int | None = None) -> list[floa
     return [a / b - 1.0 for a, b in zip(adaptive, base)]
 
 
+def shared_host_by_round(levels: list[dict]) -> list[float] | None:
+    """Per round of one level, adaptive's host ms per step in the parts every speculative
+    arm shares (bench_e2e.shared_host_ms) over fixed K's (`levels`: no-spec, fixed K,
+    adaptive). Above 1: adaptive's host ran slower that round in code both arms run alike,
+    which moves the pair's throughput ratio with it. None: no per-round host timers."""
+    rounds = [lv.get("rounds_shared_host_ms") for lv in levels[1:]]
+    if any(r is None for r in rounds) or len({len(r) for r in rounds}) != 1:
+        return None
+    fixed, adaptive = rounds
+    return [a / f if f > 0 else float("nan") for a, f in zip(adaptive, fixed)]
+
+
 def print_table(names: list[str], temps, results, checks, label) -> None:
     """The arms' throughput by level and temperature (`names`: no-spec, fixed, adaptive, or
     one of the first two and adaptive), then what each level's counters say: the adaptive
@@ -85,6 +97,13 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                   + ", ".join(f"c={lvl['max_concurrency']} "
                               f"{statistics.median_low(f):+.1%} / {statistics.median_low(n):+.1%}"
                               for lvl, f, n in zip(levels, *arms) if f))  # fmt: skip
+            shared = [shared_host_by_round(arms_of_level) for arms_of_level in by_level]
+            if any(shared):  # how fast the host ran for each arm of each pair
+                print(f"{names[-1]} vs {names[1]} by round, with {names[-1]} / {names[1]} host "
+                      "ms per step in the parts both run alike (commit, outputs, schedule): "
+                      + ", ".join(f"c={lvl['max_concurrency']} " + " ".join(
+                          f"{x:+.1%} ({h:.2f}x)" for x, h in zip(f, sh))
+                          for lvl, f, sh in zip(levels, arms[0], shared) if f and sh))
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {} for r in results[(names[-1], t)]["results"]]  # fmt: skip
         kinds = [d.get("steps_by_kind") for d in deltas]

@@ -387,6 +387,34 @@ def test_interleaved_rounds_keep_each_arms_median_round():
     assert median_round([level(5.0), level(3.0)])["results"][0]["output_throughput"] == 3.0
     single = median_round([level(42.0)])
     assert single["results"][0] == {"max_concurrency": 4, "output_throughput": 42.0}
+    # servers with host timers: every round's ms per step in the parts all arms share
+    # (commit, outputs, schedule; not plan, which only adaptive runs)
+    def timed() -> list[dict]:
+        rounds = [level(t) for t in (900.0, 700.0)]
+        for r, ms in zip(rounds, (0.1, 0.2)):
+            r["results"][0]["host_ms_per_step"] = {"commit": ms, "outputs": 0.05,
+                                                   "schedule": 0.01, "plan": 1.0}  # fmt: skip
+        return rounds
+
+    assert median_round(timed())["results"][0]["rounds_shared_host_ms"] == pytest.approx(
+        [0.16, 0.26])
+    partial = timed()  # a round without one of the parts: no per-round figure
+    del partial[1]["results"][0]["host_ms_per_step"]["schedule"]
+    assert "rounds_shared_host_ms" not in median_round(partial)["results"][0]
+
+
+def test_shared_host_by_round_sets_adaptive_against_fixed_round_by_round():
+    """Each round's adaptive host ms in the shared parts over fixed K's: the pairing printed
+    beside adaptive vs fixed, to show when a pair moved with the host's speed."""
+    sys.path.insert(0, f"{ROOT}/scripts")
+    from e2e_report import shared_host_by_round
+
+    nospec = {"rounds_output_throughput": [1.0, 2.0]}  # (no-spec's parts differ: unused)
+    fixed = {"rounds_shared_host_ms": [0.2, 0.4]}
+    adaptive = {"rounds_shared_host_ms": [0.3, 0.2]}
+    assert shared_host_by_round([nospec, fixed, adaptive]) == pytest.approx([1.5, 0.5])
+    assert shared_host_by_round([nospec, fixed, {"output_throughput": 1.0}]) is None
+    assert shared_host_by_round([nospec, fixed, {"rounds_shared_host_ms": [0.3]}]) is None
 
 
 def test_paired_by_round_sets_adaptive_against_the_better_arm_of_each_round():
@@ -419,3 +447,39 @@ def _bench_e2e_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_host_matched_pairs_fits_the_ratio_at_equal_host_speed(tmp_path):
+    """Round pairs whose throughput ratio follows the shared host ratio exactly (log-linear,
+    slope -0.5, -3% at equal speed): the fit recovers -3%; a pair found again in a second
+    folder counts once; rounds without host timers or without the other arm are skipped."""
+    sys.path.insert(0, f"{ROOT}/scripts")
+    from host_matched_pairs import host_matched_fit, round_pairs
+
+    def write(folder, arm, name, tput, commit):
+        folder.mkdir(exist_ok=True)
+        level = {"output_throughput": tput}
+        if commit is not None:
+            level["host_ms_per_step"] = {"commit": commit, "outputs": 0.0, "schedule": 0.0}
+        (folder / f"{arm}_{name}.json").write_text(json.dumps({"results": [level]}))
+
+    run, again = tmp_path / "run", tmp_path / "again"
+    for i, (c, r, host) in enumerate([(1, 0, 1.3), (1, 1, 0.8), (16, 0, 1.0), (64, 0, 1.1)]):
+        ratio = 0.97 * host ** -0.5
+        write(run, "fixed7", f"t0_c{c}_r{r}", 1000.0 + i, 0.1)
+        write(run, "adaptive7", f"t0_c{c}_r{r}", (1000.0 + i) * ratio, 0.1 * host)
+    write(again, "fixed7", "t0_c1_r0", 1000.0, 0.1)  # the same pair, kept by a warm machine
+    write(again, "adaptive7", "t0_c1_r0", 1000.0 * 0.97 * 1.3 ** -0.5, 0.13)
+    write(again, "fixed7", "t0_c4", 500.0, None)  # no host timers
+    write(again, "adaptive7", "t0_c4", 400.0, None)
+    write(again, "adaptive7", "t0_c256", 400.0, 0.1)  # no fixed-K result
+    pairs = round_pairs([str(run), str(again)], "0", None)
+    assert sorted(p[0] for p in pairs) == [1, 1, 16, 64]
+    fit = host_matched_fit(pairs)
+    assert fit["at_equal_host"] == pytest.approx(0.97) and fit["slope"] == pytest.approx(-0.5)
+    assert fit["se"] == pytest.approx(0.0, abs=1e-9) and fit["corr"] == pytest.approx(-1.0)
+    assert [p[0] for p in round_pairs([str(run)], "0", {16, 64})] == [16, 64]
+    proc = subprocess.run([sys.executable, "scripts/host_matched_pairs.py", str(run)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fit at equal host speed -3.0%" in proc.stdout.splitlines()[-1]
