@@ -167,11 +167,11 @@ class StepPlanning:
     def _stand(self, n: int, total: int, greedy: bool) -> None:
         """This plan stands for the decode plans of its requests and sampling mode with at
         most its draft fills among the next settled_plans - 1 plans, whatever shapes plan
-        between. In a server a finished request's row is refilled a step or two later, whose
-        first decode step has no drafts yet: at 16 requests the shape changed at 21-39% of
-        the verify steps (H200, trained pair, T = 0, thirty-first session), and with one
-        exact shape settled each change re-read the terms, as did the return to the shape
-        before. Fewer drafts verify in less time beside the same rows, so a bound that
+        between. In a server the request count moves by one and back as requests finish and
+        their successors are admitted: the shape changed at 23% of the trained pair's verify
+        steps (H200, T = 0, thirty-first session; the draft fills alone at 0.8%), and with
+        one exact shape settled each change re-read the terms, as did the return to the
+        shape before. Fewer drafts verify in less time beside the same rows, so a bound that
         settled verify-all settles it there too (a cost table that grows with tokens)."""
         if len(self._settled) > 64:
             self._settled.clear()

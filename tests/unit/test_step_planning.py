@@ -90,8 +90,8 @@ class _Shape:
 
 def test_a_settled_plan_stands_for_fewer_fills_and_across_other_shapes(tiny_qwen, drafter,
                                                                        tmp_path):  # fmt: skip
-    """In a server a finished request's row is refilled a step or two later and its first
-    decode step has no drafts yet: the batch goes n -> n - 1 -> n with fewer fills -> n. A plan
+    """In a server the request count moves by one and back as requests finish and their
+    successors are admitted (n -> n - 1 -> n), and a row may lay out fewer draft slots. A plan
     settled at n stands for n's plans with as many or fewer fills among the next
     SETTLED_PLANS - 1 plans, whatever plans between; more fills, or an older settlement,
     re-read the terms."""
@@ -118,7 +118,7 @@ def test_a_settled_plan_stands_for_fewer_fills_and_across_other_shapes(tiny_qwen
         return reads[0] > before
 
     assert rereads(6, 6 * k)  # settles 6 requests
-    assert not rereads(6, 5 * k)  # a refilled row without drafts: stands
+    assert not rereads(6, 5 * k)  # fewer draft fills: stands
     assert rereads(5, 5 * k)  # a request fewer: its own plan, settled
     assert not rereads(6, 6 * k) and not rereads(5, 5 * k)  # each stands again
     assert not rereads(6, 6 * k - 1)
