@@ -103,14 +103,17 @@ class StandingPlans:
         d = standing[1]
         return d if d.max_budget == total else rescaled(d, cand, total)
 
+    def plans_for(self, d: BudgetDecision) -> int:
+        """How many plans (this one included) a searched decision stands for, by its kind."""
+        if d.trimmed:
+            return self.trimmed_plans
+        if clear_of_guard(d, self.guard):
+            return self.clear_plans
+        return min(self.clear_plans, self.trimmed_plans)
+
     def put(self, group: tuple, d: BudgetDecision) -> None:
         """A searched decision, standing for as many plans as its kind earns."""
-        if d.trimmed:
-            stands_for = self.trimmed_plans
-        elif clear_of_guard(d, self.guard):
-            stands_for = self.clear_plans
-        else:
-            stands_for = min(self.clear_plans, self.trimmed_plans)
+        stands_for = self.plans_for(d)
         if stands_for > 1:
             if len(self._plans) > 4096:
                 self._plans.clear()

@@ -5,7 +5,8 @@ online cost model observes of the step once it ran.
 A plan the cost bound settles (verify every draft, whatever the confidences: the common step
 at low load; also one it settles only with the learned trim penalty, as on a host-bound pair
 whose trims save nothing), or a searched one that verifies every draft clear of the guard,
-stands for the next SETTLED_PLANS - 1 plans of the same shape (requests, sampling mode, at
+stands for the next SETTLED_PLANS - 1 plans (a searched verify-all near the guard: as long as
+the planner's own standing plan would) of the same shape (requests, sampling mode, at
 most its draft fills; no prefill chunk) that do not re-run the drafting decision: those verify
 every draft without re-reading the learned fixed term, the bound or the confidences. On small
 host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
@@ -28,7 +29,6 @@ import numpy as np
 
 from dspark.spec.drafting import PROBE_ROWS
 from dspark.spec.online_cost import size_bucket
-from dspark.spec.plan_reuse import clear_of_guard
 from dspark.spec.planner import REUSE_CLEAR_PLANS
 from dspark.spec.rates import decode_rate
 from dspark.spec.tracing import step_kind
@@ -149,14 +149,19 @@ class StepPlanning:
             d = self.planner.last_decision
             searched = self.planner.searches > searches
             if not other and self.settled_plans > 1 and (self.planner.last_settled or (
-                    searched and clear_of_guard(d, self.planner.min_predicted_gain))):
+                    searched and not d.trimmed)):
                 # a verify-all the bound settles with the trim penalty (where trimmed steps
-                # were measured to save nothing), or a searched one clear of the guard, stands
-                # here as a plan the bound settles outright does (a searched one instead of in
-                # the planner, whose standing plans re-read the terms first)
+                # were measured to save nothing), or a searched one, stands here as a plan the
+                # bound settles outright does, instead of in the planner, whose standing plans
+                # re-read the terms and the bound first; a searched one near the guard for as
+                # few plans as there (StandingPlans.plans_for: at c = 4 on the trained pair
+                # 55-143 such searches a level, and the ~7 plans after each took the
+                # planner's path, thirty-second session)
+                plans = None
                 if searched:
                     self.planner.retire_standing()
-                self._stand(n, total, greedy)
+                    plans = self.planner.standing.plans_for(d)
+                self._stand(n, total, greedy, plans)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
@@ -164,18 +169,20 @@ class StepPlanning:
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)
 
-    def _stand(self, n: int, total: int, greedy: bool) -> None:
+    def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None) -> None:
         """This plan stands for the decode plans of its requests and sampling mode with at
-        most its draft fills among the next settled_plans - 1 plans, whatever shapes plan
-        between. In a server the request count moves by one and back as requests finish and
-        their successors are admitted: the shape changed at 23% of the trained pair's verify
-        steps (H200, T = 0, thirty-first session; the draft fills alone at 0.8%), and with
-        one exact shape settled each change re-read the terms, as did the return to the
-        shape before. Fewer drafts verify in less time beside the same rows, so a bound that
-        settled verify-all settles it there too (a cost table that grows with tokens)."""
+        most its draft fills among the next settled_plans - 1 plans (`plans` - 1 when
+        fewer), whatever shapes plan between. In a server the request count moves by one
+        and back as requests finish and their successors are admitted: the shape changed at
+        23% of the trained pair's verify steps (H200, T = 0, thirty-first session; the draft
+        fills alone at 0.8%), and with one exact shape settled each change re-read the
+        terms, as did the return to the shape before. Fewer drafts verify in less time
+        beside the same rows, so a bound that settled verify-all settles it there too (a
+        cost table that grows with tokens)."""
         if len(self._settled) > 64:
             self._settled.clear()
-        self._settled[(n, greedy)] = [self._plans_counted + self.settled_plans, total]
+        plans = self.settled_plans if plans is None else min(plans, self.settled_plans)
+        self._settled[(n, greedy)] = [self._plans_counted + plans, total]
 
     def _stands(self, n: int, total: int, greedy: bool) -> bool:
         """Whether a settled plan stands for this decode plan (_stand)."""

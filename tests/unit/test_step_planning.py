@@ -217,6 +217,40 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     assert spec.planner.searches - before == 2
 
 
+def test_a_searched_verify_all_near_the_guard_stands_as_long_as_in_the_planner(tiny_qwen,
+                                                                               drafter):
+    """A searched verify-all whose best trim came within the guard's upper half stands for
+    as many plans as the planner's own standing plan would (StandingPlans.plans_for: 8 in the
+    engine), but here: the plans between re-read neither the terms nor the planner (at c = 4
+    on the trained pair 55-143 such searches a level, each followed by ~7 plans through the
+    planner, thirty-second session). One search per 8 plans, as before."""
+    from dspark.spec.plan_reuse import BudgetDecision, clear_of_guard
+
+    spec, _, host = _steep_decode_step(tiny_qwen, drafter, "loaded")
+    total, planner = host.get("num_draft_fills"), spec.planner
+    assert not planner.bound_settles(host.get("num_reqs"), total)
+    near = BudgetDecision(total, total, 1.03, 1.0, 0.03, False)  # a 3% trim, under the 4% guard
+    assert not clear_of_guard(near, planner.min_predicted_gain)
+    stands = planner.standing.plans_for(near)
+    assert 1 < stands < SETTLED_PLANS
+
+    def search(*a, **k):  # the planner's search, answering near the guard
+        planner.searches += 1
+        planner.last_decision, planner.last_settled = near, False
+        return total
+
+    reads, apply_terms = [0], spec._apply_terms
+
+    def counting(*a):
+        reads[0] += 1
+        return apply_terms(*a)
+
+    planner.plan_cpu, spec._apply_terms, spec._settled = search, counting, {}
+    before = planner.searches
+    assert [spec.plan(host) for _ in range(3 * stands)] == [total] * (3 * stands)
+    assert planner.searches - before == 3 and reads[0] == 3  # the plans between: standing
+
+
 def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter):
     """Where the bound settles verify-all only with the learned trim penalty (a host-bound
     pair whose trimmed steps were measured to save nothing: the trained pair at T = 0, c = 1
