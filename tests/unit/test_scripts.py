@@ -449,6 +449,32 @@ def _bench_e2e_module():
     return module
 
 
+def test_e2e_report_prints_each_round_pair_beside_the_host_speeds(capsys):
+    """The summary's round pairs of adaptive against fixed K, each with adaptive's shared
+    host ms over fixed K's in that round (servers with host timers, --rounds N)."""
+    sys.path.insert(0, f"{ROOT}/scripts")
+    from e2e_report import print_table
+
+    def level(tput: list[float], shared: list[float] | None = None) -> dict:
+        out = {"max_concurrency": 16, "output_throughput": sorted(tput)[0],
+               "tpot_ms": {"p50": 0.5}, "rounds_output_throughput": tput}  # fmt: skip
+        if shared is not None:
+            out["rounds_shared_host_ms"] = shared
+        return out
+
+    names = ["nospec", "fixed7", "adaptive7"]
+    results = {("nospec", 0.0): {"results": [level([500.0, 600.0])]},
+               ("fixed7", 0.0): {"results": [level([1000.0, 1000.0], [0.2, 0.2])]},
+               ("adaptive7", 0.0): {"results": [level([900.0, 1100.0], [0.24, 0.18])]}}
+    checks = {"overhead": None, "num_prompts": 0}  # (no offline pass)
+    print_table(names, [0.0], results, checks, "")
+    line = next(x for x in capsys.readouterr().out.splitlines() if "parts both run alike" in x)
+    assert line.endswith("c=16 -10.0% (1.20x) +10.0% (0.90x)"), line
+    del results[("adaptive7", 0.0)]["results"][0]["rounds_shared_host_ms"]  # no host timers
+    print_table(names, [0.0], results, checks, "")
+    assert "parts both run alike" not in capsys.readouterr().out
+
+
 def test_host_matched_pairs_fits_the_ratio_at_equal_host_speed(tmp_path):
     """Round pairs whose throughput ratio follows the shared host ratio exactly (log-linear,
     slope -0.5, -3% at equal speed): the fit recovers -3%; a pair found again in a second
