@@ -43,6 +43,12 @@ class BudgetDecision:
     trimmed: bool  # budget < max_budget
 
 
+def settled_decision(total: int) -> BudgetDecision:
+    """The decision of a plan an exact bound settles: verify all `total` drafts, nothing
+    searched (no predicted rates)."""
+    return BudgetDecision(total, total, float("nan"), float("nan"), 0.0, False)
+
+
 def clear_of_guard(d: BudgetDecision, guard: float) -> bool:
     """A verify-all decision whose best trim came under half the guard: far from trimming,
     it stands for the most plans (StandingPlans.put; StepPlanning's fast path)."""

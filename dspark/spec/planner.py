@@ -38,7 +38,7 @@ from dspark.spec.allocation import (
 )
 from dspark.spec.budget_search import best_budget, candidate_budgets, penalties, stale_survivals
 from dspark.spec.cost_model import CostModel
-from dspark.spec.plan_reuse import BudgetDecision, StandingPlans
+from dspark.spec.plan_reuse import BudgetDecision, StandingPlans, settled_decision
 from dspark.spec.small_search import SMALL_SLOTS, best_budget_small, stale_survivals_small
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Planner:
             return d.budget
         if ctx is None and self._chunk_bound_settles(caps.size, num_other_tokens, total,
                                                      num_sampling_reqs, opportunity_rate):
-            d = BudgetDecision(total, total, float("nan"), float("nan"), 0.0, False)
+            d = settled_decision(total)
             self.standing.put(group, d)  # (clear of the guard: it stands the longest)
             self.last_decision, self.last_settled = d, True
             return total
@@ -185,14 +185,12 @@ class Planner:
                 allowed = self.cost.budget_candidates(num_reqs + other, total)
             cand = candidate_budgets(allowed, total)
             variable = self.cost.variable_lookup(num_reqs + other + cand, num_reqs)
-            ends = tuple(map(float, self.cost.variable_lookup(
-                np.array([num_reqs + other, num_reqs + other + total]), num_reqs)))
-            # the decision of a plan the bound settles (verify-all; read, never written)
-            settled = BudgetDecision(total, total, float("nan"), float("nan"), 0.0, False)
+            ends = self._ends(num_reqs, other, total)
             small = (cand.tolist(), variable.tolist()) if total <= SMALL_SLOTS else None
             if len(self._contexts) > 4096:
                 self._contexts.clear()
-            ctx = self._contexts[key] = (cand, variable, ends, settled, small)
+            # (the decision of a plan the bound settles: read, never written)
+            ctx = self._contexts[key] = (cand, variable, ends, settled_decision(total), small)
         return ctx
 
     def bound_settles(self, num_reqs: int, total: int) -> bool:
@@ -219,9 +217,13 @@ class Planner:
         varying from step to step, otherwise start at most such steps: 46 searches in 90 of
         them, ~0.26 ms each in the H200 host's serving loop (trained pair, T = 0, c = 16,
         thirty-first session)."""
-        ends = self.cost.variable_lookup(np.array([num_reqs + other, num_reqs + other + total]),
-                                         num_reqs)  # fmt: skip
-        return rate * float(ends[1] - ends[0]) <= self.min_predicted_gain * num_sampling
+        t0, t_all = self._ends(num_reqs, other, total)
+        return rate * (t_all - t0) <= self.min_predicted_gain * num_sampling
+
+    def _ends(self, num_reqs: int, other: int, total: int) -> tuple[float, float]:
+        """The variable step times of n = 0 and n = total drafts (the bounds' two ends)."""
+        return tuple(map(float, self.cost.variable_lookup(
+            np.array([num_reqs + other, num_reqs + other + total]), num_reqs)))
 
     def _trimming_cannot_pay(self, num_reqs: int, other: int, total: int,
                              penalty_ms: float) -> bool:

@@ -47,6 +47,19 @@ def _run(llm, max_tokens: int = 40):
     return [o.outputs[0].token_ids for o in outs], plans
 
 
+def _count_term_reads(spec) -> list[int]:
+    """Count the plans that re-read the learned terms (spec._apply_terms) from now on: a
+    one-element list, read as reads[0]."""
+    reads, apply_terms = [0], spec._apply_terms
+
+    def counting(*a):
+        reads[0] += 1
+        return apply_terms(*a)
+
+    spec._apply_terms = counting
+    return reads
+
+
 def test_a_settled_plan_stands_for_the_plans_of_its_shape(tiny_qwen, drafter, tmp_path):
     # verification nearly free beside a 2 ms step: the bound settles every decode plan
     path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
@@ -104,13 +117,8 @@ def test_a_settled_plan_stands_for_fewer_fills_and_across_other_shapes(tiny_qwen
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
     host = next(h for h in hosts if h.prefill_tokens() == 0 and h.get("num_draft_fills") > 0)
     spec.plan, spec.drafting.due = plan, lambda num_reqs: False
-    reads, apply_terms, k = [0], spec._apply_terms, spec.k
-
-    def counting(*a):
-        reads[0] += 1
-        return apply_terms(*a)
-
-    spec._apply_terms, spec._settled = counting, {}
+    reads, k = _count_term_reads(spec), spec.k
+    spec._settled = {}
 
     def rereads(n: int, fills: int) -> bool:
         before = reads[0]
@@ -200,13 +208,7 @@ def test_a_searched_clear_verify_all_stands_too(tiny_qwen, drafter):
     spec._stale = lambda slots: np.full((len(slots), spec.k), 0.999)  # confident drafts
     spec.planner.invalidate_tables()  # (the plans standing from the generation: dropped)
     assert not spec.planner.bound_settles(host.get("num_reqs"), total)
-    searches, reads, apply_terms = spec.planner.searches, [0], spec._apply_terms
-
-    def counting(*a):
-        reads[0] += 1
-        return apply_terms(*a)
-
-    spec._apply_terms = counting
+    searches, reads = spec.planner.searches, _count_term_reads(spec)
     budgets = [spec.plan(host) for _ in range(3 * SETTLED_PLANS)]
     assert budgets == [total] * len(budgets)  # verify-all throughout
     assert spec.planner.searches - searches == 3  # one search per SETTLED_PLANS plans
@@ -239,13 +241,8 @@ def test_a_searched_verify_all_near_the_guard_stands_as_long_as_in_the_planner(t
         planner.last_decision, planner.last_settled = near, False
         return total
 
-    reads, apply_terms = [0], spec._apply_terms
-
-    def counting(*a):
-        reads[0] += 1
-        return apply_terms(*a)
-
-    planner.plan_cpu, spec._apply_terms, spec._settled = search, counting, {}
+    reads = _count_term_reads(spec)
+    planner.plan_cpu, spec._settled = search, {}
     before = planner.searches
     assert [spec.plan(host) for _ in range(3 * stands)] == [total] * (3 * stands)
     assert planner.searches - before == 3 and reads[0] == 3  # the plans between: standing
@@ -263,13 +260,8 @@ def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter)
     assert not spec.planner.bound_settles(n, total)  # verification costs by the table
     for fixed in spec._fixed_by_mode.values():  # trimmed steps measured 100 ms dearer
         fixed.trim_penalty_ms = lambda *a: 100.0
-    reads, apply_terms, searches = [0], spec._apply_terms, spec.planner.searches
-
-    def counting(*a):
-        reads[0] += 1
-        return apply_terms(*a)
-
-    spec._apply_terms, spec._settled = counting, {}
+    reads, searches = _count_term_reads(spec), spec.planner.searches
+    spec._settled = {}
     budgets = [spec.plan(host) for _ in range(3 * SETTLED_PLANS)]
     assert budgets == [total] * len(budgets)  # verify-all throughout
     assert reads[0] == 3 and spec.planner.searches == searches  # settled, not searched
