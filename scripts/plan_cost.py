@@ -93,8 +93,9 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     settled = sd.planner._trimming_cannot_pay(caps.size, 0, total, 0.0)
     timed = (lambda fn, n: cold_call_us(fn, n // 10)) if cold else per_call_us
     plan = timed(lambda: sd.plan(host), repeats)  # the engine's (plans reused)
-    # the planner's plan of a step with a prefill chunk (an opportunity rate: no bound) whose
-    # size varies from step to step, as it does in serving, plans reused: each call a size not
+    # the planner's plan of a step with a prefill chunk (an opportunity rate: the decode bound
+    # does not apply; at 4 requests the chunk bound settles these, and the plan then stands)
+    # whose size varies from step to step, as it does in serving, plans reused: each call a size not
     # seen before, within one size group (2,049-4,096 tokens) so that plans stand for each other
     sizes = itertools.cycle(np.random.default_rng(0).permutation(np.arange(2049, 4097)).tolist())
     chunk = timed(lambda: sd.planner.plan_cpu(stale, caps, next(sizes), caps.size, 0.0, 2.0),
@@ -121,7 +122,8 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
         "search": timed(lambda: plan_budget_lagged(stale, caps, 0, caps.size, cost),
                         repeats),  # fmt: skip
         # the planner's own search (Python floats up to SMALL_SLOTS draft slots: small_search.py;
-        # an opportunity rate, as in a step with prefill chunks, so no bound settles it)
+        # an opportunity rate, as in a step with prefill chunks: the decode bound does not
+        # apply, and at 2 tokens/ms the chunk bound settled none of these calls, 4 requests)
         "planner search": timed(lambda: sd.planner.plan_cpu(stale, caps, 0, caps.size, 0.0, 2.0),
                                 repeats),  # fmt: skip
         "decision survey": timed(lambda: sd.drafting.survey(np.arange(caps.size), stale, True),
