@@ -198,6 +198,8 @@ class LLMEngine:
         for row in sched.rows:
             if row.req.slot < 0:
                 row.req.slot = self._free_slots.pop()
+                if spec is not None:  # (its confidences there are the last request's)
+                    spec.slot_assigned(row.req.slot)
         return sched
 
     def _launch(self, sched: SchedulerOutput):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import torch
 
 from dspark.config import EngineConfig
@@ -62,6 +63,9 @@ class SpecDecoder(StepPlanning):
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         # the planner reads the newest copy of `conf` that has landed, never waiting for one
         self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
+        # per slot, the copy generation from which the landed confidences are its current
+        # request's (step_planning.slot_assigned: a reused slot holds the last request's)
+        self._conf_from = np.zeros(slots, dtype=np.int64)
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
             rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)

@@ -62,6 +62,16 @@ class LandedCopies:
         return self._host_np
 
     @property
+    def next_generation(self) -> int:
+        """The generation the next `push` queues."""
+        return self._pushed + 1
+
+    @property
+    def landed_generation(self) -> int:
+        """The generation the last `read` returned (0: the fill)."""
+        return self._host_gen
+
+    @property
     def lag(self) -> int:
         """Copies queued since the one the host holds (0: up to date)."""
         return self._pushed - self._host_gen

@@ -38,6 +38,8 @@ SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of t
 # UNTRIMMED_PROBE_EVERY observed steps and batch-size bucket
 UNTRIMMED_PROBE_STEPS = 12
 UNTRIMMED_PROBE_EVERY = 512
+NOT_DRAFTED = np.iinfo(np.int64).max  # a slot's request has drafted nothing yet (_conf_from;
+# 0 there: never assigned, its landed rows are the fill)
 
 
 class StepPlanning:
@@ -56,6 +58,8 @@ class StepPlanning:
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
+    _conf_from: np.ndarray  # per slot (decoder): see slot_assigned
+    _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -91,6 +95,8 @@ class StepPlanning:
             part = ("decision" if decide
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
             self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
+        if self._unmarked_slots and self.draft_enabled:
+            self._mark_first_drafts(host)
         verifies = self.last_verifies = budget != 0 and total > 0
         self.last_kind = step_kind(other, verifies, self.draft_enabled)
         self.step_counts[self.last_kind] += 1
@@ -229,8 +235,39 @@ class StepPlanning:
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the last device->host copy that has landed (never
-        waiting for the device)."""
-        return self.host_confs.read()[slots]
+        waiting for the device); NaN (unknown) where that copy predates the row's request's
+        first drafts (slot_assigned)."""
+        stale = self.host_confs.read()[slots]
+        if self._policy == "lagged":
+            unknown = self._conf_from[slots] > self.host_confs.landed_generation
+            if unknown.any():
+                stale[unknown] = np.nan
+        return stale
+
+    def slot_assigned(self, slot: int) -> None:
+        """A request was given `slot`. The landed copies hold the slot's last request's
+        confidences until the copy of this one's first drafts lands, a step later on a GPU
+        (the planner reads without waiting), so until then its row reads as unknown, as a
+        slot never drafted does: a new request's first plan read another request's
+        confidences, and at a level's start, where most rows are new, the decision's
+        acceptance check compared one batch's predictions with another's drafts (H200,
+        trained pair, T = 0: drafting turned off on a ratio of 0.52, thirty-second session)."""
+        if self._policy == "lagged" and self._conf_from[slot] != NOT_DRAFTED:
+            self._conf_from[slot] = NOT_DRAFTED  # (once: a request gone before it drafted
+            self._unmarked_slots += 1  # left it so)
+
+    def _mark_first_drafts(self, host) -> None:
+        """This step drafts: its sampling rows (a probe's first PROBE_ROWS) whose requests
+        had not drafted in their slot get their confidences in the copy it queues."""
+        rows = host.per_row()  # samples row 0, request slots row 4
+        samples, slots = rows[0], rows[4]
+        if self.probing:
+            samples, slots = samples[:PROBE_ROWS], slots[:PROBE_ROWS]
+        drafting = slots[samples != 0]
+        first = drafting[self._conf_from[drafting] == NOT_DRAFTED]
+        if first.size:
+            self._conf_from[first] = self.host_confs.next_generation
+            self._unmarked_slots -= first.size
 
     def step_tag(self) -> tuple[str, float, bool] | None:
         """What the online cost model needs of the step just launched, read at launch (with

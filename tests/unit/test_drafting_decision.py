@@ -277,6 +277,50 @@ def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, dra
     assert spec.drafting.acceptance_ratio(True) > 0  # the check still ran on known rows
 
 
+def test_a_reused_slot_reads_no_earlier_requests_confidences(tiny_qwen, drafter, tmp_path):
+    """A slot given to a new request still holds its previous request's confidences in the
+    landed copy until the copy of the new request's first drafts lands (one step later on a
+    GPU). Until then the slot reads as unknown: neither the budget search nor the decision's
+    survey nor its acceptance check may take another request's confidences for this one's
+    (H200, trained pair: drafting turned off 15 s after start-up on an acceptance ratio of
+    0.52, 1.06 at the level's end; thirty-second session)."""
+    from dspark.spec.host_copy import LandedCopies
+
+    path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    cfg = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
+           "cost_table_path": path, "online_cost_correction": False,
+           "draft_skipping": False}  # every step drafts  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=2, speculative_config=cfg)
+    spec = llm.engine.runner.spec
+    spec.host_confs = LandedCopies(tuple(spec.conf.shape), spec.conf.device,
+                                   fill=float("nan"), event_factory=_LandsAtNextPush)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts[:2], params)  # both slots drafted
+    # what the finished requests left in their slots: a value no drafter of this test makes
+    old = 0.123
+    spec.conf.fill_(old)
+    spec.host_confs.push(spec.conf)
+    seen, update = [], spec.drafting.update_survival
+
+    def spy(stale, greedy=True):
+        seen.append(stale.copy())
+        return update(stale, greedy)
+
+    spec.drafting.update_survival = spy
+    spec.drafting.due = lambda num_reqs: True  # every step decides: also a row's first verify
+    searched, stale = [], spec._stale
+    spec._stale = lambda slots: searched.append(stale(slots)) or searched[-1]
+    outs = llm.generate(prompts, params)  # six requests through the two reused slots
+    assert [o.outputs[0].token_ids for o in outs] == _generate(LLM(tiny_qwen, device="cpu"))
+    assert len(seen) > 10 and not any(np.isclose(s, old).any() for s in seen)
+    assert searched and not any(np.isclose(s, old).any() for s in searched)
+    assert any(np.isnan(s).all(axis=1).any() for s in searched)  # new requests read unknown
+    assert spec._unmarked_slots == 0  # every request drafted: no slot left to mark
+    assert spec.drafting.acceptance_ratio(True) > 0  # the check still ran on known rows
+
+
 def test_plain_probes_only_where_plain_decoding_could_win():
     """A plain probe costs most where drafting wins by far (c = 4: 12 steps of one token in
     place of ~2.5 each) and there it cannot change the verdict: drafting turns off only if
