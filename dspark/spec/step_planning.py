@@ -60,6 +60,7 @@ class StepPlanning:
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
     _conf_from: np.ndarray  # per slot (decoder): see slot_assigned
     _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
+    _conf_marked = 0  # the newest copy generation a first drafting step was marked with
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -238,8 +239,9 @@ class StepPlanning:
         waiting for the device); NaN (unknown) where that copy predates the row's request's
         first drafts (slot_assigned)."""
         stale = self.host_confs.read()[slots]
-        if self._policy == "lagged":
-            unknown = self._conf_from[slots] > self.host_confs.landed_generation
+        landed = self.host_confs.landed_generation
+        if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:
+            unknown = self._conf_from[slots] > landed  # a cold read costs ~15 µs more)
             if unknown.any():
                 stale[unknown] = np.nan
         return stale
@@ -266,7 +268,7 @@ class StepPlanning:
         drafting = slots[samples != 0]
         first = drafting[self._conf_from[drafting] == NOT_DRAFTED]
         if first.size:
-            self._conf_from[first] = self.host_confs.next_generation
+            self._conf_from[first] = self._conf_marked = self.host_confs.next_generation
             self._unmarked_slots -= first.size
 
     def step_tag(self) -> tuple[str, float, bool] | None:
