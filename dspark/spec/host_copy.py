@@ -49,10 +49,12 @@ class LandedCopies:
                 self._events[i] = self._new_event()
             self._events[i].record()
 
-    def read(self) -> np.ndarray:
-        """The newest landed copy (or the previous read's, or the fill), never waiting."""
+    def read(self, before: int | None = None) -> np.ndarray:
+        """The newest landed copy (or the previous read's, or the fill), never waiting;
+        with `before`, the newest landed one of an older generation than that."""
         depth = len(self._staging)
-        for gen in range(self._pushed, max(self._host_gen, self._pushed - depth), -1):
+        newest = self._pushed if before is None else min(self._pushed, before - 1)
+        for gen in range(newest, max(self._host_gen, self._pushed - depth), -1):
             i = (gen - 1) % depth  # newest first; older than the host's copy: nothing new
             ev = self._events[i]
             if ev is None or ev.query():
@@ -65,6 +67,11 @@ class LandedCopies:
     def next_generation(self) -> int:
         """The generation the next `push` queues."""
         return self._pushed + 1
+
+    @property
+    def newest_generation(self) -> int:
+        """The generation the last `push` queued (0: none yet)."""
+        return self._pushed
 
     @property
     def landed_generation(self) -> int:

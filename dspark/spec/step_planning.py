@@ -235,11 +235,15 @@ class StepPlanning:
         return budget
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
-        """The rows' confidences from the last device->host copy that has landed (never
-        waiting for the device); NaN (unknown) where that copy predates the row's request's
-        first drafts (slot_assigned)."""
-        stale = self.host_confs.read()[slots]
-        landed = self.host_confs.landed_generation
+        """The rows' confidences from the newest device->host copy that has landed, never
+        waiting for the device, and never the newest one queued: that one holds the
+        confidences of the drafts this step verifies, and a budget that reads them is
+        biased (non-anticipation: planner.py; tests/unit/test_lossless_policies.py). NaN
+        (unknown) where the copy read predates the row's request's first drafts
+        (slot_assigned)."""
+        copies = self.host_confs
+        stale = copies.read(before=copies.newest_generation)[slots]
+        landed = copies.landed_generation
         if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:
             unknown = self._conf_from[slots] > landed  # a cold read costs ~15 µs more)
             if unknown.any():

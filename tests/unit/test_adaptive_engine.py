@@ -111,6 +111,10 @@ def test_zero_budget_sampling_equals_plain_sampling(tiny_qwen, drafter, tmp_path
 
     want = run(LLM(tiny_qwen, device="cpu"))
     llm = _llm(tiny_qwen, drafter, policy, path, budget_tokens=512, draft_skipping=False)
+    if policy == "lagged":  # a request's first verifying step has no confidences older than
+        # its drafts: the planner's prior stands in for them, and at 1.0 (drafts certain) it
+        # verifies them; at 0 it too sees a zero budget (its only use here)
+        llm.engine.runner.spec.planner.prior_conf = 0.0
     assert run(llm) == want
     st = llm.engine.spec_stats
     assert st.num_drafted_tokens > 0 and st.num_verified_tokens == 0
@@ -221,3 +225,35 @@ def test_a_probe_that_covers_every_row_is_an_ordinary_drafting_step(tiny_qwen, d
         probes = [s for s in seen if not s[1] and s[2]]  # drafting while skipped
         assert probes and all(n == num_reqs for n, *_ in probes)
         assert all(p[3] == (num_reqs > PROBE_ROWS) for p in probes), probes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_budget_never_reads_the_confidences_of_the_drafts_it_verifies(
+    tiny_qwen, drafter, tmp_path, temperature
+):
+    """Losslessness of the lagged policy rests on its budget coming from confidences older than
+    the drafts it verifies (a budget from the current ones is biased: the Appendix A test in
+    test_lossless_policies.py). On the CPU every copy lands at once, and the plan of each step
+    had read the copy queued by the step before it: the confidences of the very drafts it was
+    about to verify (on a GPU, whenever that copy landed before the plan)."""
+    path = _table(tmp_path, "expensive", weight_read_ms=0.01, ms_per_token=1.0,
+                  fixed_overhead_ms=4.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path, min_predicted_gain=0.0,
+               draft_skipping=False)  # fmt: skip
+    spec = llm.engine.runner.spec
+    reads, stale = [], spec._stale
+
+    def spy(slots):
+        out = stale(slots)
+        reads.append((out.copy(), spec.conf[slots].numpy().copy()))  # (read, live)
+        return out
+
+    spec._stale = spy
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    st = llm.engine.spec_stats.as_dict()
+    assert 0 < st["num_verified_tokens"] < st["num_drafted_tokens"]  # the budget trimmed
+    assert len(reads) >= 5
+    rows = sum(int(np.isfinite(live).all(axis=1).sum()) for _, live in reads)
+    same = sum(int((read == live).all(axis=1).sum()) for read, live in reads)
+    assert rows > 20 and same == 0  # (random confidences: equal rows only as the same copy)

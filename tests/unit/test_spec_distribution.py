@@ -79,6 +79,8 @@ CONFIGS = {
     # draft skipping off: this case tests that trimming verification keeps the law
     "standard_greedy_lagged": dict(num_speculative_tokens=3, adaptive_policy="lagged",
                                    draft_sample_method="greedy", draft_skipping=False),
+    "standard_prob_lagged": dict(num_speculative_tokens=3, adaptive_policy="lagged",
+                                 draft_skipping=False),
 }  # fmt: skip
 
 
