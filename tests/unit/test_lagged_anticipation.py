@@ -1,0 +1,95 @@
+"""The lagged policy's budget in the engine, against an adversarial drafter: losslessness at
+temperature > 0 rests on the budget reading only confidences older than the drafts it
+verifies (DESIGN.md §3.3; the Appendix A counterexample, test_lossless_policies.py).
+
+The drafter is built so that the second slot's confidence says whether the first draft
+landed in one half of the vocabulary (c_k = sigmoid(+-8) through the Markov input of the
+confidence head), and the cost table so that the best budget verifies both drafts when the
+second is confident and none otherwise. A budget read from the very drafts it verifies then
+verifies the first draft only when it landed in that half, and the law of the tokens after
+the first moves away from the target's; one read from older confidences cannot see the
+draft. Three tokens: a request's first verifying step has no older confidences (the prior
+verifies every draft), its second can trim."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_model import CostModel
+from dspark.testing.checkpoints import TinyShape, make_tiny_target
+from dspark.testing.drafters import make_tiny_drafter
+
+VOCAB, TEMP, N, PROMPT = 4, 1.0, 1500, [1, 3, 2, 0, 3]
+
+
+@pytest.fixture(scope="module")
+def adversarial_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("anticipation")
+    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
+                      num_key_value_heads=1)  # fmt: skip
+    target = make_tiny_target(str(root / "t"), shape, seed=3, with_tokenizer=False,
+                              init_scale=0.4)  # fmt: skip
+    drafter = make_tiny_drafter(str(root / "d"), target, seed=4, markov_rank=4, init_scale=0.4)
+    path = f"{drafter}/model.safetensors"
+    w = load_file(path)
+    half = torch.where(torch.arange(VOCAB) < VOCAB // 2, 8.0, -8.0)
+    w["markov_head.markov_w1.weight"].zero_()[:, 0] = half  # W1[x] = (+-8, 0, 0, 0)
+    proj = w["confidence_head.proj.weight"].zero_()  # [1, hidden + rank]
+    proj[0, -4] = 1.0  # c_k = sigmoid(W1[x_{k-1}][0]): ~1 after the first half, ~0 after the rest
+    w["confidence_head.proj.bias"].zero_()
+    save_file(w, path)
+    # a step of 1 + n tokens: n = 1 costs more than it can yield, n = 2 pays when both drafts
+    # are sure (Theta: 1 / 1, 2 / 2.2, 3 / 2.5)
+    cost = str(root / "cost.json")
+    CostModel.from_measurements([1, 2, 3], [1.0, 2.2, 2.5]).to_json(cost)
+    return target, drafter, cost
+
+
+def _law_of_three_tokens(target) -> dict:
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
+    law = {}
+    with torch.no_grad():
+        for x1, x2 in itertools.product(range(VOCAB), repeat=2):
+            logits = model(torch.tensor([PROMPT + [x1, x2]])).logits[0, -3:] / TEMP
+            probs = torch.softmax(logits, -1)
+            for x3 in range(VOCAB):
+                law[(x1, x2, x3)] = float(probs[0, x1] * probs[1, x2] * probs[2, x3])
+    return law
+
+
+def _pvalue(counts: dict, law: dict) -> float:
+    keys = sorted(law, key=lambda k: -law[k])
+    exp = np.array([law[k] * N for k in keys])
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    big = exp >= 5  # sparse cells merged into one bin
+    if not big.all():
+        exp, obs = np.append(exp[big], exp[~big].sum()), np.append(obs[big], obs[~big].sum())
+    return float(chisquare(obs, exp).pvalue)
+
+
+def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
+    target, drafter, cost = adversarial_pair
+    spec = {"model": drafter, "num_speculative_tokens": 2, "adaptive_policy": "lagged",
+            "cost_table_path": cost, "min_predicted_gain": 0.0, "draft_skipping": False}
+    # one request at a time (a batch's budget would dilute any one draft's pull on it)
+    llm = LLM(target, device="cpu", max_num_seqs=1, speculative_config=spec)
+    sd = llm.engine.runner.spec
+    # every plan searched afresh (a plan reused from an earlier request is older still)
+    sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
+    params = [SamplingParams(temperature=TEMP, max_tokens=3, seed=s, ignore_eos=True)
+              for s in range(N)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params)
+    counts: dict = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    st = llm.engine.spec_stats
+    assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # the budget both kept and cut
+    # before the fix (29128af) the engine's budget read the newest copy: p = 3.8e-29 here
+    assert _pvalue(counts, _law_of_three_tokens(target)) > 1e-3
