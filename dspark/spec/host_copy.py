@@ -1,7 +1,10 @@
 """Device -> host copies read without waiting: the planner's stale confidences.
 
-Every drafting step copies the drafts' confidences to the host (non-blocking) and the next
-plan reads "the newest copy that has landed". The copies go round-robin into `depth` pinned
+Every drafting step copies the drafts' confidences to the host (non-blocking), and a plan
+reads the newest copy that has landed among those older than the newest one queued: that one
+holds the confidences of the drafts the step being planned verifies, which its budget may
+not read (step_planning._stale; it landed before the plan on the CPU always, and on a GPU
+whenever the host took longer than the drafter). The copies go round-robin into `depth` pinned
 staging buffers, each with its own event; a read takes the newest buffer whose event has
 completed. One buffer with one re-recorded event is not enough: on a GPU the drafter runs
 after the step's outputs are copied, so when the next plan reads, the newest copy is usually
