@@ -64,10 +64,15 @@ _MOVED_MIN = 2
 # after a plain probe or on a batch size that moved are never deferred.
 DECIDE_MIN_S = 0.02
 # ... both twice as far apart after each routine decision that keeps drafting on by twice the
-# guard or more, up to this many times (back to 1x on a closer verdict, a flip, a forced
-# decision or a batch size moving by a quarter): at low load drafting wins by 30-70% and a
-# decision there surveys and prices the batch for ~0.2 ms of host time on the H200 (trained
-# pair, c = 4: 113 decisions, 16 us per step of 1.2 ms), where nothing is close to changing
+# guard or more, up to this many times (back to 1x on a closer verdict or a flip): at low load
+# drafting wins by 30-70% and a decision there surveys and prices the batch for ~0.2 ms of
+# host time on the H200 (trained pair, c = 4: 113 decisions, 16 us per step of 1.2 ms), where
+# nothing is close to changing. A forced decision (the batch size moved by a quarter, a plain
+# probe ended) that finds drafting still ahead by that much leaves the spacing as it was:
+# requests of equal lengths started together finish together, and each such wave moved the
+# batch size twice, and with the spacing back to 1x, three routine decisions followed before
+# the next wave (H200, trained pair, T = 0, c = 16: 33 decisions a level of ~1.1 s at
+# 0.24-0.26 ms each, thirty-second session)
 _DECIDE_BACKOFF_MAX = 8
 _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to re-measure
 PROBE_ROWS = 8  # ... for this many rows of the step
@@ -252,8 +257,11 @@ class DraftingDecision:
             self._decided = self._decided or (counted and self._numbers is not None)
             self._since_decision, self._decided_reqs = 0, num_reqs
             self._forced = False
-            self._decide_spacing = (min(2 * self._decide_spacing, _DECIDE_BACKOFF_MAX)
-                                    if routine and self._wins_widely(True) else 1)  # fmt: skip
+            if not self._wins_widely(True):
+                self._decide_spacing = 1
+            elif routine:
+                self._decide_spacing = min(2 * self._decide_spacing, _DECIDE_BACKOFF_MAX)
+            # (a forced decision that finds drafting still ahead widely leaves the spacing)
             if self._min_interval_s > 0:
                 self._decided_at = self._clock()
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
