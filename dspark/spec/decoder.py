@@ -125,6 +125,7 @@ class SpecDecoder(StepPlanning):
         self._fixed_by_mode = fixed_costs_by_mode()
         self.fixed_costs = self._fixed_by_mode[True]
         self._settled = {}  # (a settled plan stands only under the model that settled it)
+        self._rate_memo = None  # (... and an opportunity rate priced by it)
         self._untrimmed_left, self._untrimmed_probed = 0, {}  # (step_planning.py)
         self.planner = Planner(
             self._policy,

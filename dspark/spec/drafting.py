@@ -123,6 +123,8 @@ class DraftingDecision:
         # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
         self._accepted = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self._accept_steps = {True: 0, False: 0}  # decision steps observed per mode
+        self.updates = 0  # survival estimates and acceptance checks folded in (what `estimate`
+        # answers changes only with these)
         self.pays = True
         self._against = 0  # consecutive decisions against the current state (see _FLIP_AFTER)
         self._decided = False  # a verdict on real numbers has set the state
@@ -165,6 +167,7 @@ class DraftingDecision:
         prefix survivals (what `predicted_accepted` sums)."""
         rows = prefix_survival(stale)
         if rows.size:
+            self.updates += 1
             survival = np.add.reduce(rows, axis=0)  # (the mean without np.mean's wrapper)
             survival *= 1.0 / rows.shape[0]
             prev = self._survival.get(greedy)
@@ -191,6 +194,7 @@ class DraftingDecision:
     def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
         """Drafts accepted in a verified step against the number its rows' confidences
         predicted at the lengths verified (`predicted_accepted`)."""
+        self.updates += 1
         sums = self._accepted[greedy]
         sums[0] = _ACCEPT_DECAY * sums[0] + accepted
         sums[1] = _ACCEPT_DECAY * sums[1] + predicted

@@ -61,6 +61,7 @@ class StepPlanning:
     _conf_from: np.ndarray  # per slot (decoder): see slot_assigned
     _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
     _conf_marked = 0  # the newest copy generation a first drafting step was marked with
+    _rate_memo: tuple | None = None  # (key, rate, plan count it stands until): _opportunity_rate
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -138,11 +139,7 @@ class StepPlanning:
             penalty = 0.0 if other else round(50.0 * self.fixed_costs.trim_penalty_ms(
                 self.cost.fixed_overhead_ms, n, self.eager_trims)) / 50.0  # fmt: skip
             # with prefill chunks, a draft's marginal time is worth what decoding would earn
-            rate = None
-            if other > 0:
-                survival = self.drafting.estimate(self.fixed_costs.greedy)
-                rate = decode_rate(self.cost, survival, n_sampling,
-                                   self.fixed_costs.get("plain", n_sampling))
+            rate = self._opportunity_rate(n_sampling) if other > 0 else None
             # confidences are read only when needed (at low load, a bound settles the plan);
             # their survivals are corrected upwards by the drafts accepted against those
             # predicted. Not downwards: a smaller budget verifies fewer drafts to measure the
@@ -175,6 +172,24 @@ class StepPlanning:
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)
+
+    def _opportunity_rate(self, n_sampling: int) -> float:
+        """Tokens/ms the best decode-only step of `n_sampling` requests would earn (what a
+        draft beside a prefill chunk must beat: rates.decode_rate), computed afresh only when
+        the survival estimate or the acceptance ratio changed, the sampling mode or the
+        request count did, or it is SETTLED_PLANS plans old: a prompt arriving in chunks
+        plans several such steps in a row, and pricing decoding cost 35% of each such plan
+        (16 µs hot, ~70 cold, development machine). Its fixed terms and context read may
+        be that many plans old, as a standing plan's are."""
+        greedy = self.fixed_costs.greedy
+        key = (n_sampling, greedy, self.drafting.updates)
+        memo = self._rate_memo
+        if memo is not None and memo[0] == key and self._plans_counted < memo[2]:
+            return memo[1]
+        rate = decode_rate(self.cost, self.drafting.estimate(greedy), n_sampling,
+                           self.fixed_costs.get("plain", n_sampling))  # fmt: skip
+        self._rate_memo = (key, rate, self._plans_counted + self.settled_plans)
+        return rate
 
     def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None) -> None:
         """This plan stands for the decode plans of its requests and sampling mode with at

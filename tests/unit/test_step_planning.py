@@ -322,3 +322,44 @@ def test_plain_steps_plan_without_reading_the_terms(tiny_qwen, drafter, tmp_path
     spec.drafting._since_decision = 0  # (no decision due)
     assert pack(host) == 0 and len(reads) == 1 and spec.fixed_costs is spec._fixed_by_mode[True]
     assert pack(host) == 0 and len(reads) == 1  # ... and the next one reads nothing
+
+
+def test_steps_with_prefill_chunks_reuse_the_priced_decode_rate(tiny_qwen, drafter, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """A prompt arriving in chunks plans several steps in a row beside the same decoding rows;
+    what decoding would earn (the drafts' opportunity rate) is priced again only once the
+    survival estimate or the acceptance ratio moved, the request count changed, or
+    SETTLED_PLANS plans went by. Output unchanged."""
+    import dspark.spec.step_planning as sp
+
+    path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=16, draft_skipping=False)
+    spec = llm.engine.runner.spec
+    priced, rate = [], sp.decode_rate
+    monkeypatch.setattr(sp, "decode_rate", lambda *a: priced.append(rate(*a)) or priced[-1])
+    mixed, plan = [], spec.plan
+
+    def recording_plan(host, *room):
+        calls, updates = len(priced), spec.drafting.updates  # (what the rate is priced on)
+        budget = plan(host, *room)
+        n, total, other, n_sampling, *_ = host.plan_scalars()
+        if other and total:  # (a step with prefill chunks and drafts to verify)
+            mixed.append((n_sampling, updates, spec._plans_counted, len(priced) > calls))
+        return budget
+
+    spec.plan = recording_plan
+    prompts = [list(range(5, 5 + n)) for n in (3, 9, 120, 90, 150, 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    want = LLM(tiny_qwen, device="cpu").generate([{"prompt_token_ids": p} for p in prompts],
+                                                 params)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert len(mixed) >= 15 and 0 < len(priced) < len(mixed)
+    last = None
+    for n, updates, count, fresh in mixed:
+        if last is None or (n, updates) != last[:2] or count >= last[2] + SETTLED_PLANS:
+            assert fresh  # priced again: a new count, estimate, or SETTLED_PLANS plans on
+            last = (n, updates, count)
+        else:
+            assert not fresh
