@@ -269,7 +269,10 @@ def test_steps_that_capture_a_graph_do_not_feed_the_online_cost(tiny_qwen, draft
     runner, spec = llm.engine.runner, llm.engine.runner.spec
     captures, launches, observed = [0], [0], []
     runner.num_graph_captures = lambda: captures[0]
-    launch, observe = runner.launch, spec.observe_step_time
+    launch, observe, step_tag = runner.launch, spec.observe_step_time, spec.step_tag
+
+    class Tag(tuple):  # a step's tag (taken at its launch) that knows which launch it was
+        pass
 
     def spy_launch(sched, tables):
         launches[0] += 1
@@ -277,14 +280,22 @@ def test_steps_that_capture_a_graph_do_not_feed_the_online_cost(tiny_qwen, draft
             captures[0] += 1  # this step captured a graph
         return launch(sched, tables)
 
-    def spy_observe(*args):
-        observed.append(launches[0])
-        observe(*args)
+    def spy_tag():
+        tag = step_tag()
+        if tag is None:
+            return None
+        tag = Tag(tag)
+        tag.launch = launches[0]
+        return tag
 
-    runner.launch, spec.observe_step_time = spy_launch, spy_observe
+    def spy_observe(step_ms, num_tokens, num_reqs, tag):
+        observed.append(None if tag is None else tag.launch)
+        observe(step_ms, num_tokens, num_reqs, tag)
+
+    runner.launch, spec.step_tag, spec.observe_step_time = spy_launch, spy_tag, spy_observe
     _generate(llm)
     assert launches[0] > 8 and 6 not in observed and {5, 7} <= set(observed)
-    assert len(observed) == launches[0] - 1
+    assert len(observed) == launches[0] - 1  # every step but the one that captured
 
 
 def test_profiled_table_prices_the_drafter_the_step_runs(tiny_qwen, drafter):
