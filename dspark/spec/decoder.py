@@ -61,7 +61,8 @@ class SpecDecoder(StepPlanning):
         self.conf_logits = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         self.trace: list[dict] | None = None  # per-step records while tracing (host syncs!)
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
-        # the planner reads the newest copy of `conf` that has landed, never waiting for one
+        # the planner reads copies of `conf` that have landed, never waiting for one (and
+        # never the newest queued: it holds the drafts the planned step verifies)
         self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
         # per slot, the copy generation from which the landed confidences are its current
         # request's (step_planning.slot_assigned: a reused slot holds the last request's)

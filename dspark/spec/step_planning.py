@@ -269,10 +269,12 @@ class StepPlanning:
         """A request was given `slot`. The landed copies hold the slot's last request's
         confidences until the copy of this one's first drafts lands, a step later on a GPU
         (the planner reads without waiting), so until then its row reads as unknown, as a
-        slot never drafted does: a new request's first plan read another request's
+        slot never drafted does. Before, a new request's first plan read another request's
         confidences, and at a level's start, where most rows are new, the decision's
-        acceptance check compared one batch's predictions with another's drafts (H200,
-        trained pair, T = 0: drafting turned off on a ratio of 0.52, thirty-second session)."""
+        acceptance check compared one batch's predictions with another's drafts: a likely
+        cause, not confirmed, of drafting turning off on an acceptance ratio of 0.52 at a
+        level's start (H200, trained pair, T = 0, 1.06 at the level's end; thirty-second
+        session)."""
         if self._policy == "lagged" and self._conf_from[slot] != NOT_DRAFTED:
             self._conf_from[slot] = NOT_DRAFTED  # (once: a request gone before it drafted
             self._unmarked_slots += 1  # left it so)

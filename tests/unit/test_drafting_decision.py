@@ -284,8 +284,8 @@ def test_a_reused_slot_reads_no_earlier_requests_confidences(tiny_qwen, drafter,
     landed copy until the copy of the new request's first drafts lands (one step later on a
     GPU). Until then the slot reads as unknown: neither the budget search nor the decision's
     survey nor its acceptance check may take another request's confidences for this one's
-    (H200, trained pair: drafting turned off 15 s after start-up on an acceptance ratio of
-    0.52, 1.06 at the level's end; thirty-second session)."""
+    (a likely cause of drafting turning off 15 s after start-up on an acceptance ratio of
+    0.52, 1.06 at the level's end: H200, trained pair, thirty-second session)."""
     from dspark.spec.host_copy import LandedCopies
 
     path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
