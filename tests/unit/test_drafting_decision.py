@@ -245,11 +245,10 @@ class _LandsAtNextPush:
         return self.done
 
 
-def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, drafter, tmp_path):
-    """A slot's confidences are NaN until its first drafts' copy lands; with copies one step
-    behind, a request's first decision step would read its slot's fill. Such rows are left
-    out of the survival estimate and of the acceptance check (they counted as certain
-    drafts: the acceptance ratio at a level's start fell to 0.58 on the H200)."""
+def _copies_a_step_behind(tiny_qwen, drafter, tmp_path, max_num_seqs: int):
+    """A lagged engine that drafts every step and decides at every plan, whose confidence
+    copies land a step late as on a GPU (_LandsAtNextPush); returns (llm, its decoder, the
+    stale confidences each decision surveys, as they come)."""
     from dspark.spec.host_copy import LandedCopies
 
     path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
@@ -257,7 +256,7 @@ def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, dra
     cfg = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
            "cost_table_path": path, "online_cost_correction": False,
            "draft_skipping": False}  # every step drafts  # fmt: skip
-    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=8, speculative_config=cfg)
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=max_num_seqs, speculative_config=cfg)
     spec = llm.engine.runner.spec
     spec.host_confs = LandedCopies(tuple(spec.conf.shape), spec.conf.device,
                                    fill=float("nan"), event_factory=_LandsAtNextPush)  # fmt: skip
@@ -269,6 +268,15 @@ def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, dra
 
     spec.drafting.update_survival = spy
     spec.drafting.due = lambda num_reqs: True  # every step decides: also a row's first verify
+    return llm, spec, seen
+
+
+def test_rows_without_landed_confidences_stay_out_of_the_decision(tiny_qwen, drafter, tmp_path):
+    """A slot's confidences are NaN until its first drafts' copy lands; with copies one step
+    behind, a request's first decision step would read its slot's fill. Such rows are left
+    out of the survival estimate and of the acceptance check (they counted as certain
+    drafts: the acceptance ratio at a level's start fell to 0.58 on the H200)."""
+    llm, spec, seen = _copies_a_step_behind(tiny_qwen, drafter, tmp_path, max_num_seqs=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     llm.generate(prompts[:2], params)  # slots 0-1 drafted; the others never were
@@ -286,17 +294,7 @@ def test_a_reused_slot_reads_no_earlier_requests_confidences(tiny_qwen, drafter,
     survey nor its acceptance check may take another request's confidences for this one's
     (a likely cause of drafting turning off 15 s after start-up on an acceptance ratio of
     0.52, 1.06 at the level's end: H200, trained pair, thirty-second session)."""
-    from dspark.spec.host_copy import LandedCopies
-
-    path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
-                  fixed_overhead_ms=0.5, draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
-    cfg = {"model": drafter, "num_speculative_tokens": 4, "adaptive_policy": "lagged",
-           "cost_table_path": path, "online_cost_correction": False,
-           "draft_skipping": False}  # every step drafts  # fmt: skip
-    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=2, speculative_config=cfg)
-    spec = llm.engine.runner.spec
-    spec.host_confs = LandedCopies(tuple(spec.conf.shape), spec.conf.device,
-                                   fill=float("nan"), event_factory=_LandsAtNextPush)  # fmt: skip
+    llm, spec, seen = _copies_a_step_behind(tiny_qwen, drafter, tmp_path, max_num_seqs=2)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     llm.generate(prompts[:2], params)  # both slots drafted
@@ -304,14 +302,7 @@ def test_a_reused_slot_reads_no_earlier_requests_confidences(tiny_qwen, drafter,
     old = 0.123
     spec.conf.fill_(old)
     spec.host_confs.push(spec.conf)
-    seen, update = [], spec.drafting.update_survival
-
-    def spy(stale, greedy=True):
-        seen.append(stale.copy())
-        return update(stale, greedy)
-
-    spec.drafting.update_survival = spy
-    spec.drafting.due = lambda num_reqs: True  # every step decides: also a row's first verify
+    seen.clear()
     searched, stale = [], spec._stale
     spec._stale = lambda slots: searched.append(stale(slots)) or searched[-1]
     outs = llm.generate(prompts, params)  # six requests through the two reused slots

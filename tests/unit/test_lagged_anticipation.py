@@ -13,17 +13,16 @@ verifies every draft), its second can trim."""
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from scipy.stats import chisquare
 
 from dspark import LLM, SamplingParams
 from dspark.spec.cost_model import CostModel
 from dspark.testing.checkpoints import TinyShape, make_tiny_target
 from dspark.testing.drafters import make_tiny_drafter
+from tests.unit.test_spec_distribution import _chi2
 
 VOCAB, TEMP, N, PROMPT = 4, 1.0, 1500, [1, 3, 2, 0, 3]
 
@@ -63,16 +62,6 @@ def _law_of_three_tokens(target) -> dict:
     return law
 
 
-def _pvalue(counts: dict, law: dict) -> float:
-    keys = sorted(law, key=lambda k: -law[k])
-    exp = np.array([law[k] * N for k in keys])
-    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    big = exp >= 5  # sparse cells merged into one bin
-    if not big.all():
-        exp, obs = np.append(exp[big], exp[~big].sum()), np.append(obs[big], obs[~big].sum())
-    return float(chisquare(obs, exp).pvalue)
-
-
 def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
     target, drafter, cost = adversarial_pair
     spec = {"model": drafter, "num_speculative_tokens": 2, "adaptive_policy": "lagged",
@@ -92,4 +81,4 @@ def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
     st = llm.engine.spec_stats
     assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # the budget both kept and cut
     # before the fix (29128af) the engine's budget read the newest copy: p = 3.8e-29 here
-    assert _pvalue(counts, _law_of_three_tokens(target)) > 1e-3
+    assert _chi2(counts, _law_of_three_tokens(target), N) > 1e-3

@@ -60,8 +60,8 @@ def _chi2(counts: dict, law: dict, n: int) -> float:
     exp = np.array([law[k] * n for k in keys])
     obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
     big = exp >= 5  # merge sparse cells into one bin
-    exp = np.append(exp[big], exp[~big].sum())
-    obs = np.append(obs[big], obs[~big].sum())
+    if not big.all():
+        exp, obs = np.append(exp[big], exp[~big].sum()), np.append(obs[big], obs[~big].sum())
     return chisquare(obs, exp).pvalue
 
 
