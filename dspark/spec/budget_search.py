@@ -25,10 +25,10 @@ from dspark.spec.rates import prefix_survival
 
 
 def stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
-                     total: int | None = None) -> np.ndarray:
+                     total: int | None = None, prior_survival=None) -> np.ndarray:
     """Sorted-descending stale survivals of every slot < capacity (float64). `total`: the
     capacities' sum when the caller knows it (when it is R times the largest, every row has
-    that capacity: the usual case needs no mask)."""
+    that capacity: the usual case needs no mask). `prior_survival`: see population_prior."""
     caps = np.asarray(capacities, dtype=np.int64).reshape(-1)
     num_reqs = caps.size
     k = int(caps.max(initial=0))
@@ -43,7 +43,7 @@ def stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
                 s = s[None, :]
             rows, cols = min(num_reqs, s.shape[0]), min(k, s.shape[1])
             conf[:rows, :cols] = s[:rows, :cols]
-    surv = population_prior(conf, prior_conf)  # (a new array: sorted in place)
+    surv = population_prior(conf, prior_conf, prior_survival)  # (a new array: sorted in place)
     flat = surv.reshape(-1) if full or num_reqs == 0 or caps.min() == k else surv[
         np.arange(k)[None, :] < caps[:, None]]  # fmt: skip
     # descending: numpy's default sort of the negated values (only the values matter: ties
@@ -55,19 +55,24 @@ def stale_survivals(stale_conf, capacities: np.ndarray, prior_conf: float,
     return np.negative(flat, out=flat)
 
 
-def population_prior(conf: np.ndarray, prior_conf: float) -> np.ndarray:
+def population_prior(conf: np.ndarray, prior_conf: float, prior_survival=None) -> np.ndarray:
     """[R, K] float64 prefix survivals of stale conditional confidences. A row with unknown
     entries (NaN: a request whose first drafts have not reached the host, at the start of a
     burst most of the batch) takes the mean survivals of the known rows, the best estimate of
-    what its drafts will yield; `prior_conf` fills them only when no row is known. (With a
-    prior of 1.0 every newcomer's drafts looked certain, so while a burst of requests is
-    admitted, beside prefill chunks that make each draft cost its full compute, the plans
-    leaned towards verifying all of them.) Non-anticipating: the known rows' confidences are
-    as stale as the rows' own would be."""
+    what its drafts will yield. When no row is known, `prior_survival` (mean prefix survivals
+    per position, at least K of them: the drafting decision's estimate of earlier steps)
+    fills them, else `prior_conf`. (With a prior of 1.0 every newcomer's drafts looked
+    certain, so while a burst of requests is admitted, beside prefill chunks that make each
+    draft cost its full compute, the plans leaned towards verifying all of them.)
+    Non-anticipating: the known rows' confidences are as stale as the rows' own would be,
+    and the estimate is older still."""
     surv = prefix_survival(conf, prior_conf, np.float64)
     unknown = np.isnan(conf).any(axis=1)
-    if unknown.any() and not unknown.all():
-        surv[unknown] = surv[~unknown].mean(axis=0)
+    if unknown.any():
+        if not unknown.all():
+            surv[unknown] = surv[~unknown].mean(axis=0)
+        elif prior_survival is not None and surv.size:
+            surv[:] = np.asarray(prior_survival, dtype=np.float64)[: surv.shape[1]]
     return surv
 
 

@@ -222,10 +222,15 @@ class DraftingDecision:
         lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
         return min(max(accepted / predicted, lo), hi)
 
+    def survival_of(self, greedy: bool) -> np.ndarray | None:
+        """The mode's mean prefix survival per position as surveyed (else the other mode's),
+        unscaled; None before any survey."""
+        return self._survival.get(greedy, self.survival)
+
     def estimate(self, greedy: bool) -> list[float] | None:
         """The mode's mean prefix survival (else the other mode's), scaled by its acceptance
         ratio and kept a non-increasing probability (K floats: see decode_rates)."""
-        survival = self._survival.get(greedy, self.survival)
+        survival = self.survival_of(greedy)
         if survival is None:
             return None
         ratio, out, low = self.acceptance_ratio(greedy), [], 1.0

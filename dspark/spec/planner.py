@@ -79,6 +79,9 @@ class Planner:
         self.min_predicted_gain = min_predicted_gain
         self.threshold = threshold
         self.prior_conf = prior_conf
+        # mean prefix survivals per position for steps none of whose rows has confidences
+        # (set by the engine from the drafting decision's estimate; None: prior_conf)
+        self.prior_survival: list[float] | None = None
         self.snap_to_graphs = snap_to_graphs
         self.last_decision: BudgetDecision | None = None
         # whether the latest plan_cpu (or bound_settles) settled verify-all by the cost bound
@@ -139,7 +142,7 @@ class Planner:
             d = self._search_small(stale_conf, caps, small, num_sampling_reqs, trim_penalty_ms,
                                    opportunity_rate, survival_scale)  # fmt: skip
         else:
-            surv = stale_survivals(stale_conf, caps, self.prior_conf, total)
+            surv = stale_survivals(stale_conf, caps, self.prior_conf, total, self.prior_survival)
             if survival_scale != 1.0:
                 surv = np.minimum(surv * survival_scale, 1.0)
             times = self.cost.add_fixed(variable)  # the same numbers as plan_budget_lagged's
@@ -158,7 +161,7 @@ class Planner:
         a batch of at most SMALL_SLOTS draft slots)."""
         cand, variable = small
         stale = [] if stale_conf is None else np.asarray(stale_conf).tolist()
-        surv = stale_survivals_small(stale, caps.tolist(), self.prior_conf)
+        surv = stale_survivals_small(stale, caps.tolist(), self.prior_conf, self.prior_survival)
         if survival_scale != 1.0:
             surv = [min(s * survival_scale, 1.0) for s in surv]
         times = self.cost.add_fixed_list(variable)

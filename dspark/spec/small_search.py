@@ -25,12 +25,13 @@ from dspark.spec.plan_reuse import BudgetDecision
 SMALL_SLOTS = 64  # draft slots (capacities' sum) at most for the Python search
 
 
-def stale_survivals_small(stale: list[list[float]], caps: list[int],
-                          prior_conf: float) -> list[float]:  # fmt: skip
+def stale_survivals_small(stale: list[list[float]], caps: list[int], prior_conf: float,
+                          prior_survival: list[float] | None = None) -> list[float]:  # fmt: skip
     """`budget_search.stale_survivals` for rows given as Python lists: every slot < capacity's
     prefix survival, sorted descending. A row with an unknown confidence (NaN, or a row or
-    column the stale copy lacks) takes the known rows' mean survivals; with no row known the
-    prior fills the unknown confidences."""
+    column the stale copy lacks) takes the known rows' mean survivals; with no row known,
+    `prior_survival` (budget_search.population_prior), else the prior fills the unknown
+    confidences."""
     k = max(caps, default=0)
     rows, unknown = [], []
     for r in range(len(caps)):
@@ -58,6 +59,8 @@ def stale_survivals_small(stale: list[list[float]], caps: list[int],
                 mean = [m + v for m, v in zip(mean, row)]
             mean = [m / len(known) for m in mean]
             rows = [mean if u else row for row, u in zip(rows, unknown)]
+        elif prior_survival is not None:
+            rows = [[float(x) for x in prior_survival[:k]]] * len(rows)  # (read only below)
     flat = []
     for row, cap in zip(rows, caps):
         flat += row if cap == k else row[:cap]

@@ -147,6 +147,9 @@ class StepPlanning:
             ratio = max(self.drafting.acceptance_ratio(self.fixed_costs.greedy), 1.0)
             # (a decision step reads them anyway: once, for both)
             stale = self._stale(slots) if decide else (lambda: self._stale(slots))
+            # a step none of whose rows has landed confidences (a request's first verifying
+            # step reads none: _stale) takes the survivals surveyed in earlier steps
+            self.planner.prior_survival = self.drafting.survival_of(self.fixed_costs.greedy)
             searches = self.planner.searches
             budget = self.planner.plan_cpu(stale, caps, other, n_sampling, penalty, rate, ratio,
                                            total=total)  # fmt: skip

@@ -343,3 +343,21 @@ def test_plain_probes_only_where_plain_decoding_could_win():
     d._plans += 600
     assert d._plain_probe_due(fixed, 4, 0)
     assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
+
+
+def test_plans_take_the_surveyed_survivals_for_steps_with_no_known_row(tiny_qwen, drafter,
+                                                                      tmp_path):  # fmt: skip
+    """Every plan hands the planner the drafting decision's surveyed survivals of its sampling
+    mode, which stand in when no row of the step has landed confidences (Planner.prior_survival)."""
+    llm, spec, _ = _copies_a_step_behind(tiny_qwen, drafter, tmp_path, max_num_seqs=4)
+    handed, plan_cpu = [], spec.planner.plan_cpu
+
+    def spy(*a, **k):
+        handed.append(spec.planner.prior_survival is spec.drafting.survival_of(
+            spec.fixed_costs.greedy) and spec.planner.prior_survival is not None)
+        return plan_cpu(*a, **k)
+
+    spec.planner.plan_cpu = spy
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert len(handed) > 10 and sum(handed) >= len(handed) - 2  # (none before the first survey)

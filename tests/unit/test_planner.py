@@ -154,6 +154,32 @@ def test_unknown_rows_take_the_known_rows_mean_survivals():
     # none known: the prior, clipped to [0, 1]
     np.testing.assert_allclose(population_prior(np.full((2, 2), np.nan), 0.5),
                                [[0.5, 0.25]] * 2)  # fmt: skip
+    # ... or, given, the survivals surveyed in earlier steps (their first K); a known row wins
+    earlier = np.array([0.6, 0.3, 0.1])
+    np.testing.assert_allclose(population_prior(np.full((2, 2), np.nan), 0.5, earlier),
+                               [[0.6, 0.3]] * 2)  # fmt: skip
+    np.testing.assert_allclose(population_prior(conf, 1.0, earlier), surv)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_step_with_no_known_row_plans_on_the_earlier_survivals(small, monkeypatch):
+    """A request's first verifying step has no confidences older than its drafts (the budget
+    may not read theirs). When no row of the step has any, the planner prices them with the
+    survivals the drafting decision surveyed in earlier steps, not with a prior of certain
+    drafts. (On Python floats and in numpy: small_search.py.)"""
+    import dspark.spec.planner as pl
+
+    if not small:
+        monkeypatch.setattr(pl, "SMALL_SLOTS", -1)
+    cost = CostModel.from_measurements([1, 64], [10.0, 73.0])  # 9 ms + 1 ms per token
+    caps, all_nan = np.array([2, 2, 2]), np.full((3, 2), np.nan)
+    planner = Planner("lagged", cost, min_predicted_gain=0.0)  # (no standing plans)
+    assert planner.plan_cpu(all_nan, caps) == 6  # the prior: drafts look certain
+    planner.prior_survival = np.array([0.05, 0.0025, 0.0])  # surveyed: drafts fail
+    assert planner.plan_cpu(all_nan, caps) == 0
+    planner.prior_survival = np.array([0.99, 0.98, 0.97])
+    assert planner.plan_cpu(all_nan, caps) == 6
+    assert planner.searches == 3
 
 
 def test_lagged_snaps_to_allowed_budgets():

@@ -36,6 +36,12 @@ def test_survivals_equal_the_numpy_path():
     caps = np.array([3, 2], dtype=np.int64)  # nothing known: the prior everywhere
     assert stale_survivals_small([], caps.tolist(), 0.5) == stale_survivals(None, caps,
                                                                              0.5).tolist()
+    for _ in range(50):  # ... or the survivals surveyed in earlier steps
+        caps, stale = _random_batch(rng)
+        stale[:] = np.nan
+        earlier = np.sort(rng.uniform(size=8))[::-1]
+        want = stale_survivals(stale, caps, 1.0, None, earlier).tolist()
+        assert stale_survivals_small(stale.tolist(), caps.tolist(), 1.0, earlier) == want
 
 
 @pytest.mark.parametrize("rate", [None, 0.5, 3.0])
