@@ -11,18 +11,19 @@ the first moves away from the target's; one read from older confidences cannot s
 draft. Three tokens: a request's first verifying step has no older confidences (the prior
 verifies every draft), its second can trim."""
 
-import itertools
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
-from dspark import LLM, SamplingParams
+from dspark import LLM
 from dspark.spec.cost_model import CostModel
-from dspark.testing.checkpoints import TinyShape, make_tiny_target
-from dspark.testing.drafters import make_tiny_drafter
-from tests.unit.test_spec_distribution import _chi2
+from tests.unit.test_spec_distribution import (
+    _chi2,
+    law_of_three_tokens,
+    three_token_counts,
+    tiny_pair,
+)
 
 VOCAB, TEMP, N, PROMPT = 4, 1.0, 1500, [1, 3, 2, 0, 3]
 
@@ -30,11 +31,7 @@ VOCAB, TEMP, N, PROMPT = 4, 1.0, 1500, [1, 3, 2, 0, 3]
 @pytest.fixture(scope="module")
 def adversarial_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("anticipation")
-    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
-                      num_key_value_heads=1)  # fmt: skip
-    target = make_tiny_target(str(root / "t"), shape, seed=3, with_tokenizer=False,
-                              init_scale=0.4)  # fmt: skip
-    drafter = make_tiny_drafter(str(root / "d"), target, seed=4, markov_rank=4, init_scale=0.4)
+    target, drafter = tiny_pair(root, VOCAB, target_seed=3, drafter_seed=4)
     path = f"{drafter}/model.safetensors"
     w = load_file(path)
     half = torch.where(torch.arange(VOCAB) < VOCAB // 2, 8.0, -8.0)
@@ -50,18 +47,6 @@ def adversarial_pair(tmp_path_factory):
     return target, drafter, cost
 
 
-def _law_of_three_tokens(target) -> dict:
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
-    law = {}
-    with torch.no_grad():
-        for x1, x2 in itertools.product(range(VOCAB), repeat=2):
-            logits = model(torch.tensor([PROMPT + [x1, x2]])).logits[0, -3:] / TEMP
-            probs = torch.softmax(logits, -1)
-            for x3 in range(VOCAB):
-                law[(x1, x2, x3)] = float(probs[0, x1] * probs[1, x2] * probs[2, x3])
-    return law
-
-
 def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
     target, drafter, cost = adversarial_pair
     spec = {"model": drafter, "num_speculative_tokens": 2, "adaptive_policy": "lagged",
@@ -71,14 +56,8 @@ def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
     sd = llm.engine.runner.spec
     # every plan searched afresh (a plan reused from an earlier request is older still)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
-    params = [SamplingParams(temperature=TEMP, max_tokens=3, seed=s, ignore_eos=True)
-              for s in range(N)]  # fmt: skip
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params)
-    counts: dict = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids)
-        counts[key] = counts.get(key, 0) + 1
+    counts = three_token_counts(llm, PROMPT, N, TEMP)
     st = llm.engine.spec_stats
     assert 0 < st.num_verified_tokens < st.num_drafted_tokens  # the budget both kept and cut
     # before the fix (29128af) the engine's budget read the newest copy: p = 3.8e-29 here
-    assert _chi2(counts, _law_of_three_tokens(target), N) > 1e-3
+    assert _chi2(counts, law_of_three_tokens(target, PROMPT, VOCAB, TEMP), N) > 1e-3

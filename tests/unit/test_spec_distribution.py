@@ -24,14 +24,48 @@ from dspark.testing.drafters import make_tiny_drafter
 VOCAB, TEMP, N, PROMPT = 8, 0.9, 4000, [1, 5, 2, 6, 3]
 
 
+def tiny_pair(root, vocab: int, target_seed: int, drafter_seed: int) -> tuple[str, str]:
+    """A tiny target of `vocab` tokens (no tokenizer) and a DSpark drafter for it, under
+    `root`."""
+    shape = TinyShape(vocab_size=vocab, hidden_size=32, num_attention_heads=2,
+                      num_key_value_heads=1)  # fmt: skip
+    target = make_tiny_target(str(root / "t"), shape, seed=target_seed, with_tokenizer=False,
+                              init_scale=0.4)  # fmt: skip
+    drafter = make_tiny_drafter(str(root / "d"), target, seed=drafter_seed, markov_rank=4,
+                                init_scale=0.4)  # fmt: skip
+    return target, drafter
+
+
+def law_of_three_tokens(target: str, prompt: list[int], vocab: int, temp: float) -> dict:
+    """The exact law of the first three tokens sampled after `prompt` at `temp`: {(x1, x2,
+    x3): probability}, from Hugging Face's float64 forward over every two-token prefix."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
+    law = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=2):
+            logits = model(torch.tensor([prompt + list(seq)])).logits[0, -3:] / temp
+            probs = torch.softmax(logits, -1)
+            p12 = probs[0, seq[0]] * probs[1, seq[1]]
+            for x3 in range(vocab):
+                law[(*seq, x3)] = float(p12 * probs[2, x3])
+    return law
+
+
+def three_token_counts(llm, prompt: list[int], n: int, temp: float) -> dict:
+    """{(x1, x2, x3): count} over n requests of `prompt`, seeded 0..n-1, 3 tokens each."""
+    params = [SamplingParams(temperature=temp, max_tokens=3, seed=s, ignore_eos=True)
+              for s in range(n)]  # fmt: skip
+    counts: dict = {}
+    for o in llm.generate([{"prompt_token_ids": prompt}] * n, params):
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    shape = TinyShape(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2,
-                      num_key_value_heads=1)  # fmt: skip
-    target = make_tiny_target(str(root / "t"), shape, seed=11, with_tokenizer=False,
-                              init_scale=0.4)  # fmt: skip
-    drafter = make_tiny_drafter(str(root / "d"), target, seed=5, markov_rank=4, init_scale=0.4)
+    target, drafter = tiny_pair(root, VOCAB, target_seed=11, drafter_seed=5)
     cost_path = str(root / "expensive.json")
     # verification cost grows with tokens on top of a fixed step cost: drafts whose survival
     # is below the running tokens-per-ms ratio are worth trimming, confident ones are not
@@ -42,17 +76,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exact_law(pair):
-    model = transformers.AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float64)
-    law = {}
-    with torch.no_grad():
-        for seq in itertools.product(range(VOCAB), repeat=2):
-            ids = torch.tensor([PROMPT + list(seq)])
-            logits = model(ids).logits[0, -3:] / TEMP
-            probs = torch.softmax(logits, -1)
-            p12 = probs[0, seq[0]] * probs[1, seq[1]]
-            for x3 in range(VOCAB):
-                law[(*seq, x3)] = float(p12 * probs[2, x3])
-    return law
+    return law_of_three_tokens(pair[0], PROMPT, VOCAB, TEMP)
 
 
 def _chi2(counts: dict, law: dict, n: int) -> float:
@@ -98,14 +122,7 @@ def test_law_of_first_three_tokens(pair, exact_law, name):
     lagged = spec is not None and spec.get("adaptive_policy") == "lagged"
     llm = LLM(target, device="cpu", max_num_seqs=256 if lagged else 512,
               max_num_batched_tokens=4096, speculative_config=spec)  # fmt: skip
-    params = [SamplingParams(temperature=TEMP, max_tokens=3, seed=s, ignore_eos=True)
-              for s in range(N)]  # fmt: skip
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, params)
-    counts: dict = {}
-    for o in outs:
-        key = tuple(o.outputs[0].token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    assert _chi2(counts, exact_law, N) > 1e-3
+    assert _chi2(three_token_counts(llm, PROMPT, N, TEMP), exact_law, N) > 1e-3
     if spec is not None:
         st = llm.engine.spec_stats
         assert st.num_accepted_tokens >= 200, "speculation must contribute tokens"
