@@ -47,7 +47,8 @@ class StepPlanning:
     observe_step_time (after commit), and the scheduler-overhead accounting."""
 
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
-    # (requests, greedy) -> [the plan count it stands until, its draft fills] (_stand)
+    # (requests, greedy) -> [the plan count it stands until, its draft fills, whether it was
+    # a searched verify-all near the guard] (_stand)
     _settled: dict  # (set_cost_model: {})
     _plans_counted = 0  # plans so far (a settled plan's age)
     _untrimmed_left = 0  # verify-all plans an untrimmed probe still runs (set_cost_model: 0)
@@ -123,7 +124,7 @@ class StepPlanning:
 
     def _plan(self, host, n: int, total: int, other: int, n_sampling: int, decide: bool,
               greedy: bool) -> int:  # fmt: skip
-        self._settled.pop((n, greedy), None)
+        before = self._settled.pop((n, greedy), None)  # (the last settled plan, if any)
         budget = 0
         if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
             budget = total  # what the full plan returns (a penalty only helps the bound)
@@ -163,12 +164,18 @@ class StepPlanning:
                 # re-read the terms and the bound first; a searched one near the guard for as
                 # few plans as there (StandingPlans.plans_for: at c = 4 on the trained pair
                 # 55-143 such searches a level, and the ~7 plans after each took the
-                # planner's path, thirty-second session)
-                plans = None
+                # planner's path, thirty-second session); the second such search in a row
+                # for these requests stands as long as a clear one: a trim that stayed short
+                # of the guard twice is not one small move away (there, one search per 8 plans
+                # was ~1.5% of the step time)
+                plans, near = None, False
                 if searched:
                     self.planner.retire_standing()
                     plans = self.planner.standing.plans_for(d)
-                self._stand(n, total, greedy, plans)
+                    near = plans < self.settled_plans
+                    if near and before is not None and before[2]:
+                        plans = None
+                self._stand(n, total, greedy, plans, near)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
                 rows_drafting = np.flatnonzero(caps)
@@ -194,7 +201,8 @@ class StepPlanning:
         self._rate_memo = (key, rate, self._plans_counted + self.settled_plans)
         return rate
 
-    def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None) -> None:
+    def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None,
+               near: bool = False) -> None:  # fmt: skip
         """This plan stands for the decode plans of its requests and sampling mode with at
         most its draft fills among the next settled_plans - 1 plans (`plans` - 1 when
         fewer), whatever shapes plan between. In a server the request count moves by one
@@ -203,11 +211,12 @@ class StepPlanning:
         fills alone at 0.8%), and with one exact shape settled each change re-read the
         terms, as did the return to the shape before. Fewer drafts verify in less time
         beside the same rows, so a bound that settled verify-all settles it there too (a
-        cost table that grows with tokens)."""
+        cost table that grows with tokens). `near`: a searched verify-all near the guard
+        (the next such search for these requests then stands the longest: _plan)."""
         if len(self._settled) > 64:
             self._settled.clear()
         plans = self.settled_plans if plans is None else min(plans, self.settled_plans)
-        self._settled[(n, greedy)] = [self._plans_counted + plans, total]
+        self._settled[(n, greedy)] = [self._plans_counted + plans, total, near]
 
     def _stands(self, n: int, total: int, greedy: bool) -> bool:
         """Whether a settled plan stands for this decode plan (_stand)."""

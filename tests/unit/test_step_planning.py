@@ -225,7 +225,8 @@ def test_a_searched_verify_all_near_the_guard_stands_as_long_as_in_the_planner(t
     as many plans as the planner's own standing plan would (StandingPlans.plans_for: 8 in the
     engine), but here: the plans between re-read neither the terms nor the planner (at c = 4
     on the trained pair 55-143 such searches a level, each followed by ~7 plans through the
-    planner, thirty-second session). One search per 8 plans, as before."""
+    planner, thirty-second session). The next one in a row for the same requests stands as
+    long as a clear one (SETTLED_PLANS); a trimmed search in between starts over."""
     from dspark.spec.plan_reuse import BudgetDecision, clear_of_guard
 
     spec, _, host = _steep_decode_step(tiny_qwen, drafter, "loaded")
@@ -244,8 +245,23 @@ def test_a_searched_verify_all_near_the_guard_stands_as_long_as_in_the_planner(t
     reads = _count_term_reads(spec)
     planner.plan_cpu, spec._settled = search, {}
     before = planner.searches
-    assert [spec.plan(host) for _ in range(3 * stands)] == [total] * (3 * stands)
-    assert planner.searches - before == 3 and reads[0] == 3  # the plans between: standing
+    plans = stands + 2 * SETTLED_PLANS
+    assert [spec.plan(host) for _ in range(plans)] == [total] * plans
+    # searched at plans 0, `stands` and `stands` + SETTLED_PLANS: the plans between standing
+    assert planner.searches - before == 3 and reads[0] == 3
+    trimmed = BudgetDecision(total - 1, total, 1.1, 1.0, 0.1, True)
+    planner.last_decision = trimmed
+    answers = iter([trimmed, near, near])  # a trim, then near the guard twice
+
+    def search_again(*a, **k):
+        planner.searches += 1
+        planner.last_decision, planner.last_settled = next(answers), False
+        return planner.last_decision.budget
+
+    planner.plan_cpu, spec._settled, before = search_again, {}, planner.searches
+    budgets = [spec.plan(host) for _ in range(2 + stands)]
+    assert budgets == [total - 1, total] + [total] * stands
+    assert planner.searches - before == 3  # after the trim, the first near one stands 8
 
 
 def test_a_verify_all_settled_by_the_trim_penalty_stands_too(tiny_qwen, drafter):
