@@ -118,8 +118,7 @@ class LLMEngine:
         # committed, as (schedule, wait, the speculative decoder's tag and prediction of it)
         self.async_scheduling = self.runner.feeds_pending
         self._in_flight: tuple | None = None
-        # the last committed step's period for the online cost model, observed in the next
-        # call once its step is launched (_step)
+        # the last committed step's period for the online cost model (observed: _step)
         self._unobserved: tuple | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
 
@@ -263,9 +262,8 @@ class LLMEngine:
         if (len(committed) == 1 and self.runner.spec is not None
                 and self.runner.num_graph_captures() == captures):  # fmt: skip
             sched, result, tag = committed[0]
-            # observed in the next call after its launch, off the host's path between two
-            # steps (11-14 µs a step in the H200 host's serving loop, trained pair, against
-            # fixed K's 1 µs; the next plan reads terms at most one step older)
+            # observed by the next call after its launch, off the path between two steps
+            # (11-14 µs a step in the H200 host's loop, trained pair; fixed K's: 1 µs)
             self._unobserved = (period_ms, result.num_tokens, len(sched.rows), tag)
             if not self.scheduler.has_unfinished():
                 self._observe()  # (no step follows to overlap it with)
