@@ -101,7 +101,7 @@ if has tests; then
     tests/kernels/test_attention_variants.py tests/kernels/test_draft_argmax.py \
     tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \
     tests/kernels/test_row_stats.py tests/kernels/test_softmax_sample.py \
-    tests/unit/test_step_clock.py} \
+    tests/unit/test_step_clock.py tests/unit/test_lagged_anticipation.py} \
     ${KERNEL_TESTS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -25
   status=${PIPESTATUS[0]}

@@ -47,12 +47,19 @@ def adversarial_pair(tmp_path_factory):
     return target, drafter, cost
 
 
-def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs CUDA")),
+])  # fmt: skip
+def test_the_budget_cannot_see_the_drafts_it_verifies(adversarial_pair, device):
+    """(On CUDA copies land by events, and the sampling and verification kernels are
+    Triton's: scripts/gpu_check.sh runs it there.)"""
     target, drafter, cost = adversarial_pair
     spec = {"model": drafter, "num_speculative_tokens": 2, "adaptive_policy": "lagged",
             "cost_table_path": cost, "min_predicted_gain": 0.0, "draft_skipping": False}
     # one request at a time (a batch's budget would dilute any one draft's pull on it)
-    llm = LLM(target, device="cpu", max_num_seqs=1, speculative_config=spec)
+    llm = LLM(target, device=device, max_num_seqs=1, speculative_config=spec)
     sd = llm.engine.runner.spec
     # every plan searched afresh (a plan reused from an earlier request is older still)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
