@@ -2,8 +2,9 @@
 the demo pair with its device work stubbed (scripts/host_step_cost.py) runs a few decode
 steps with drafting on, then one packed step is planned repeatedly and timed (the fastest of
 a few runs), as the engine plans (a clear verify-all plan is reused for the next plans of its
-shape) and without reuse, the planner's plan of a step with a prefill chunk of varying size
-(plans reused), a plan on which the drafting decision is due, with the parts: the
+shape) and without reuse, the engine's plan of a step with a prompt chunk beside the
+decoding rows ("mixed plan"), the planner's plan of a step with a prefill chunk of varying
+size (plans reused), a plan on which the drafting decision is due, with the parts: the
 stale-confidence read, the exact no-trim bound, the budget search (uncached,
 plan_budget_lagged, numpy) and the planner's own (on Python floats up to SMALL_SLOTS draft
 slots), the drafting decision's survey.
@@ -68,8 +69,11 @@ def cold_call_us(fn, n: int) -> float:
     return float(np.median(times)) * 1e6
 
 
-def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
-    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max(num_reqs, 2),
+def _decoding(num_reqs: int, chunk: bool = False):
+    """The demo pair with its device work stubbed, `num_reqs` requests a few steps into
+    decoding; returns (the LLM, its decoder, the last packed decode step) or, with `chunk`,
+    the packed step that a 300-token prompt arriving then adds its chunk to."""
+    llm = LLM(f"{DEMO}/target", device="cpu", max_num_seqs=max(num_reqs, 2) + chunk,
               speculative_config=demo_spec("lagged"))  # fmt: skip
     sg, sd = stub_device_work(llm.engine.runner), llm.engine.runner.spec
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -83,9 +87,16 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     try:
         for _ in range(3):
             llm.engine.step()
+        if chunk:
+            llm.engine.add_request("chunk", {"prompt_token_ids": list(range(50, 350))}, params)
+            llm.engine.step()
     finally:
         mr.pack_step = pack
-    host = packed[-1]
+    return llm, sd, packed[-1]
+
+
+def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
+    llm, sd, host = _decoding(num_reqs)
     rows = host.per_row()
     caps, slots = rows[1], rows[4]
     stale, cost = sd._stale(slots), sd.planner.cost
@@ -111,8 +122,12 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     # (the planner's standing plans: StandingPlans holds the counts)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
+    # the engine's plan of a step with a prompt chunk beside the decoding rows (its decode
+    # rate priced, plans reused), on an engine of its own
+    llm_mixed, sd_mixed, mixed = _decoding(num_reqs, chunk=True)
     parts = {
         "plan": plan,
+        "mixed plan": timed(lambda: sd_mixed.plan(mixed), repeats),
         "plan without reuse": timed(lambda: sd.plan(host), repeats),
         "chunk plan": chunk,
         "decision plan": decision,

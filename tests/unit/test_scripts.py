@@ -345,9 +345,9 @@ def test_plan_cost(cold):
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("2 requests") and all(k in line for k in ("plan", "bound", "search"))
     assert (", cold)" in line) == cold and "decision survey" in line and "chunk plan" in line
-    assert "decision plan" in line
+    assert "decision plan" in line and "mixed plan" in line
     times = [float(part.split()[-2]) for part in line.split("): ", 1)[1].split(", ")]
-    assert len(times) == 9 and all(t > 0 for t in times), line
+    assert len(times) == 10 and all(t > 0 for t in times), line
 
 
 def test_diag_adaptive_smoke(tmp_path):
