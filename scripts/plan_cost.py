@@ -96,7 +96,7 @@ def _decoding(num_reqs: int, chunk: bool = False):
 
 
 def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
-    llm, sd, host = _decoding(num_reqs)
+    llm, sd, host = _decoding(num_reqs)  # (the engines stay alive while timed)
     rows = host.per_row()
     caps, slots = rows[1], rows[4]
     stale, cost = sd._stale(slots), sd.planner.cost

@@ -19,7 +19,7 @@ import multiprocessing.util  # noqa: F401 - mp.util.Finalize
 import signal
 import threading
 
-from dspark.engine.llm_engine import load_tokenizer
+from dspark.engine.loading import load_tokenizer
 from dspark.engine.output_delta import DeltaDecoder
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ import torch
 from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.loading import load_tokenizer, resolve_device
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.output_builder import build_outputs, make_output, needs_text
 from dspark.engine.prompt_input import prompt_token_ids
@@ -35,26 +36,6 @@ logger = logging.getLogger(__name__)
 # engines freeze their start-up objects (LLMEngine.__init__): let the interpreter's last
 # collection see them again
 atexit.register(gc.unfreeze)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def load_tokenizer(path: str):
-    import os
-
-    if not any(
-        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
 
 
 _MAX_GAP_S = 0.1  # a longer gap between two steps is idling, not per-step work
