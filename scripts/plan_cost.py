@@ -114,11 +114,12 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     # a decode plan on which the drafting decision is due (every few steps, and whenever the
     # batch size moves by a quarter: its stale confidences read and surveyed, drafting priced)
     due = sd.drafting.due
-    sd.drafting.due = lambda num_reqs: True
+    sd.drafting.due, sd.drafting.routine = (lambda num_reqs: True), (lambda *a: False)
     try:
         decision = timed(lambda: sd.plan(host), repeats)
     finally:
         sd.drafting.due = due
+        del sd.drafting.routine  # (the method again)
     # (the planner's standing plans: StandingPlans holds the counts)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)

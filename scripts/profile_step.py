@@ -282,6 +282,7 @@ def main() -> int:
                 drafting = llm.engine.runner.spec.drafting
                 drafting.after_plan = lambda *a, **k: (False, False)
                 drafting.due = lambda num_reqs: False
+                drafting.routine = lambda num_reqs, online: False  # (asks after_plan)
             label_phases(llm)
             for temp in temps:
                 for c in levels:

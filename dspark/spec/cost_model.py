@@ -83,6 +83,7 @@ class CostModel:
     context_ms_per_token: float = 0.0  # every layer's K and V of one context token, read
     profile_context_len: float = 0.0  # the context of every profiled row
     step_context_ms: float = field(default=0.0, init=False, compare=False)  # slope * C
+    _context_slope: float = field(default=0.0, init=False, repr=False, compare=False)  # or 0
     # the verify table at zero context (_price_context; verify_ms where context is not priced)
     _verify_priced: np.ndarray = field(default_factory=lambda: np.zeros(0), init=False,
                                        repr=False, compare=False)  # fmt: skip
@@ -124,6 +125,7 @@ class CostModel:
             if not np.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be finite and >= 0")
         self._verify_priced = self.verify_ms
+        self._context_slope = self.context_ms_per_token if self.prices_context else 0.0
         if self.prices_context:
             credit = self.context_ms_per_token * self.profile_context_len * self.verify_reqs
             self._verify_priced = np.maximum.accumulate(np.maximum(self.verify_ms - credit, 0.0))
@@ -138,8 +140,7 @@ class CostModel:
     def set_step_context(self, context_tokens: float) -> None:
         """The step being priced: the sum of its rows' contexts before it (tokens). Every step
         price from now on includes its read (0 where the table does not price context)."""
-        self.step_context_ms = (self.context_ms_per_token * float(context_tokens)
-                                if self.prices_context else 0.0)
+        self.step_context_ms = self._context_slope * context_tokens  # (every plan: no property)
 
     # ------------------------------------------------------------------ constructors
     @classmethod

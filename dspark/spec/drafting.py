@@ -161,6 +161,23 @@ class DraftingDecision:
         return (self._min_interval_s <= 0
                 or self._clock() - self._decided_at >= self._min_interval_s * spacing)  # fmt: skip
 
+    def routine(self, num_reqs: int, online: bool) -> bool:
+        """A plan that neither decides nor probes while drafting pays, told from the state
+        alone: due(num_reqs) would return False and after_plan(False, ...) (True, False).
+        Then both methods' effects are made here and it returns True; else nothing changes
+        and the caller takes due / after_plan (a standing plan's path: step_planning.py)."""
+        if (self._forced or not self.pays or self._plain_probe_left or self.survival is None
+                or self._since_decision + 1 >= _DECIDE_EVERY * self._decide_spacing
+                or (online and self._plain_may_win and self.plain_probes and self.enabled)):
+            return False  # (a decision, a probe, or a plain probe may be due)
+        change = abs(num_reqs - self._decided_reqs)
+        if change * 4 > num_reqs and change >= _MOVED_MIN:
+            return False
+        self._since_decision += 1
+        self._plans += 1
+        self._skipped = 0
+        return True
+
     def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
         """Fold the rows with drafts' stale confidences into the sampling mode's survival
         estimate (EMA over decision steps; unknown confidences count as 1). Returns the rows'

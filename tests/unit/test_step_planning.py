@@ -35,7 +35,8 @@ def _run(llm, max_tokens: int = 40):
         return state["due"]
 
     def recording_plan(host, *room):
-        reads = state["reads"]
+        # (a routine plan, DraftingDecision.routine, does not ask `due`: it would say False)
+        reads, state["due"] = state["reads"], False
         budget = plan(host, *room)
         n, total, other, *_ = host.plan_scalars()
         plans.append((n, total, other, state["reads"] > reads, state["due"], budget))

@@ -1,0 +1,142 @@
+"""A standing plan on a routine step (no decision, no probe, drafting on) takes one short path
+(DraftingDecision.routine + StepPlanning._plan_standing). It must be the full path's plan
+exactly: the same budget, kind and drafting state, the same decisions later."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.drafting import DraftingDecision
+from dspark.spec.online_cost import fixed_costs_by_mode
+from dspark.testing.drafters import make_tiny_drafter
+from tests.unit.test_adaptive_engine import _table
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("rp")), tiny_qwen, seed=9)
+
+
+def _state(obj) -> dict:
+    """An object's attributes, arrays as tuples (comparable with ==)."""
+    out = {}
+    for k, v in vars(obj).items():
+        if isinstance(v, np.ndarray):
+            v = (v.shape, tuple(v.ravel().tolist()))
+        elif isinstance(v, dict):
+            v = {kk: (tuple(vv.tolist()) if isinstance(vv, np.ndarray) else vv)
+                 for kk, vv in v.items()}  # fmt: skip
+        out[k] = v
+    return out
+
+
+def _random_decision(rng: np.random.Generator) -> DraftingDecision:
+    now = 100.0
+    d = DraftingDecision(5, 0.05, enabled=bool(rng.random() < 0.8),
+                         plain_probes=bool(rng.random() < 0.7),
+                         min_interval_s=float(rng.choice([0.0, 0.02])),
+                         clock=lambda: now)  # fmt: skip
+    d._forced = bool(rng.random() < 0.15)
+    d.pays = bool(rng.random() < 0.8)
+    d._plain_probe_left = int(rng.choice([0, 0, 0, 1, 5]))
+    if rng.random() < 0.9:
+        d.survival = d._survival[True] = np.sort(rng.random(6))[::-1].copy()
+    d._since_decision = int(rng.integers(0, 20))
+    d._decide_spacing = int(rng.choice([1, 2, 4, 8]))
+    d._decided_reqs = int(rng.integers(0, 40))
+    d._decided_at = now - float(rng.choice([0.001, 0.05, 1.0]))
+    d._plain_may_win = bool(rng.random() < 0.5)
+    d._skipped = int(rng.integers(0, 100))
+    d._plans = int(rng.integers(0, 2000))
+    if rng.random() < 0.3:
+        d._plain_probed[(True, 4)] = d._plans - int(rng.integers(0, 1000))
+    return d
+
+
+def test_routine_has_exactly_the_effects_of_due_and_after_plan():
+    """Where routine() answers True, due() would have said False and after_plan(False, ...)
+    (True, False), and the state is what those two calls leave; where it answers False it
+    leaves the state as it was. Random states, both answers exercised."""
+    rng, fixed = np.random.default_rng(0), fixed_costs_by_mode()[True]
+    answers = {True: 0, False: 0}
+    for _ in range(3000):
+        d = _random_decision(rng)
+        # (mostly near the batch size decided at: a move by a quarter forces a decision)
+        near = max(1, d._decided_reqs + int(rng.integers(-3, 4)))
+        n = near if rng.random() < 0.7 else int(rng.integers(1, 40))
+        online = bool(rng.random() < 0.6)
+        fast, full = copy.deepcopy(d), copy.deepcopy(d)
+        routine = fast.routine(n, online)
+        answers[routine] += 1
+        if routine:
+            assert not full.due(n)
+            assert full.after_plan(False, None, fixed, online, n, n, 0) == (True, False)
+            assert _state(fast) == _state(full)
+        else:
+            assert _state(fast) == _state(d)
+    assert min(answers.values()) > 300, answers
+
+
+def _plans(llm, fast: bool) -> tuple[list, list, dict]:
+    """Generate with the drafting decision's clock out of play; every plan as (budget, kind,
+    drafts, probe, trimmed), the outputs, and counters (routine plans, decisions, plans
+    counted by part, steps by kind)."""
+    spec = llm.engine.runner.spec
+    spec.drafting._min_interval_s = 0.0  # (else decisions would depend on the wall clock)
+    routine, due, plan, seen = spec.drafting.routine, spec.drafting.due, spec.plan, []
+    counts = {"routine": 0, "decisions": 0}
+
+    def counting_routine(n, online):
+        ok = fast and routine(n, online)
+        counts["routine"] += ok
+        return ok
+
+    def counting_due(n):
+        decide = due(n)
+        counts["decisions"] += decide
+        return decide
+
+    def recording(host, *room):
+        budget = plan(host, *room)
+        seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
+                     spec._step_trimmed))  # fmt: skip
+        return budget
+
+    spec.drafting.routine, spec.drafting.due, spec.plan = counting_routine, counting_due, recording
+    prompts = [list(range(7 + 3 * i, 20 + 5 * i)) for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=18 + 4 * i, ignore_eos=True)
+              for i in range(10)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    counts |= {"parts": dict(spec.overhead.plans), "kinds": dict(spec.step_counts)}
+    return seen, [o.outputs[0].token_ids for o in outs], counts
+
+
+@pytest.mark.parametrize("draft_ms,max_seqs", [(0.0, 16), (0.3, 4), (20.0, 16)])
+def test_routine_plans_equal_the_full_path(tiny_qwen, drafter, tmp_path, draft_ms, max_seqs):
+    """The same requests (staggered lengths: the batch size moves as they finish) planned
+    with and without the routine path: plan for plan the same budget, kind and drafting
+    state, the same outputs and counters. A 0.3 ms drafter beside a 1 ms step, four
+    requests at a time (the others admitted as slots free: reused slots, steps with prefill
+    chunks between decode steps); a 20 ms drafter (drafting turns off, draft probes)."""
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=draft_ms, draft_ms_per_req=0.0)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+            "cost_table_path": path}  # fmt: skip
+    runs = [_plans(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=256,
+                       max_num_seqs=max_seqs, speculative_config=spec), fast)
+            for fast in (False, True)]  # fmt: skip
+    (full, full_out, full_counts), (fast, fast_out, fast_counts) = runs
+    assert fast_out == full_out
+    assert fast == full
+    assert fast_counts["decisions"] == full_counts["decisions"] > 2
+    for key in ("parts", "kinds"):
+        assert fast_counts[key] == full_counts[key]
+    assert full_counts["routine"] == 0
+    if draft_ms < 1.0:
+        assert fast_counts["routine"] >= len(fast) // 3, fast_counts
+    else:  # (drafting off: no routine plan; the probes' plans are the full path's)
+        assert fast_counts["kinds"]["plain"] > len(fast) // 2, fast_counts
