@@ -81,14 +81,6 @@ def add_train_parsers(sub) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
-def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def prepare_corpus(data: list[str], tokenizer_dir: str, corpus_dir: str, log=print) -> str:
     """A corpus folder for --data: used as is, or built (site-packages or text files)."""
     from dspark.train import data as D
@@ -109,6 +101,7 @@ def cmd_train_drafter(args) -> int:
     import numpy as np
     import torch
 
+    from dspark.engine.loading import resolve_device  # (the engine's: a clear CUDA error)
     from dspark.train import data as D
     from dspark.train.drafter_trainer import DrafterTrainConfig, FrozenTarget, train_drafter
     from dspark.train.tokenizer_train import MASK_TOKEN, token_id

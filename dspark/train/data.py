@@ -179,8 +179,10 @@ def build_corpus_from_files(paths: Sequence[str], tokenizer_dir: str, out_dir: s
             for dirpath, _, names in sorted(os.walk(p)):
                 files += [os.path.join(dirpath, n) for n in sorted(names)
                           if n.endswith((".py", ".txt", ".md"))]
-        else:
+        elif os.path.isfile(p):
             files.append(p)
+        else:  # (a clear error, not a traceback from open())
+            raise ValueError(f"--data: no such file or folder: {p}")
     texts = []
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:

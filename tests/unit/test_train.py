@@ -436,6 +436,27 @@ def test_train_drafter_cli(env, tmp_path):
         parser.parse_args(["calibrate", "--model", "m", "--drafter", "d", "--output", "o"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_train_drafter_on_a_missing_cuda_device_says_so(env, tmp_path, capsys):
+    """`--device cuda` where there is none: the engine's clear error, before any work."""
+    from dspark.cli import main
+
+    out = tmp_path / "drafter"
+    rc = main(["train-drafter", "--target", env.target, "--data", str(tmp_path / "none"),
+               "--output", str(out), "--device", "cuda"])  # fmt: skip
+    assert rc == 2
+    assert "device 'cuda' was requested but no CUDA device is available" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_train_drafter_on_a_missing_data_path_names_the_field(env, tmp_path, capsys):
+    from dspark.cli import main
+
+    rc = main(["train-drafter", "--target", env.target, "--data", str(tmp_path / "none"),
+               "--output", str(tmp_path / "drafter"), "--device", "cpu"])  # fmt: skip
+    assert rc == 2 and "--data: no such file or folder" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------- target
 
 
