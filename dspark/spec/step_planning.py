@@ -203,7 +203,7 @@ class StepPlanning:
                 self._stand(n, total, greedy, plans, near)
             if decide:  # the survival estimate feeds the decision only; its prediction is
                 # checked against the drafts this step accepts (check_prediction)
-                rows_drafting = np.flatnonzero(caps)
+                rows_drafting = caps.nonzero()[0]  # (caps is 1-D: flatnonzero, no wrappers)
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
         return self._after_budget(budget, total, decide, n, n_sampling, other)

@@ -179,6 +179,26 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
     assert d.acceptance_ratio(False) == 0.5
 
 
+def test_the_survey_leaves_out_rows_with_an_unknown_confidence():
+    """survey(): a row with any NaN (its confidences' copy not landed) stays out of the
+    estimate and the prediction; none known: no prediction, the estimate unchanged."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+
+    d = DraftingDecision(k=3, min_predicted_gain=0.05, enabled=True)
+    stale = np.array([[0.5, 0.5, 0.5], [0.9, np.nan, 0.9], [1.0, 0.5, 0.0], [np.nan] * 3])
+    rows, predicted, greedy = d.survey(np.array([2, 5, 6, 9]), stale, True)
+    assert rows.tolist() == [2, 6] and greedy
+    np.testing.assert_allclose(predicted, [[0, 0.5, 0.75, 0.875], [0, 1.0, 1.5, 1.5]])
+    np.testing.assert_allclose(d.survival, [0.75, 0.375, 0.0625])  # (their mean)
+    assert d.survey(np.array([0, 1]), np.full((2, 3), np.nan), True) is None
+    np.testing.assert_allclose(d.survival, [0.75, 0.375, 0.0625])
+    rows, _, _ = d.survey(np.array([4]), np.array([[0.5, 0.5, 0.5]]), True)  # all known
+    assert rows.tolist() == [4]
+    np.testing.assert_allclose(d.survival, [0.7, 0.35, 0.075])  # (EMA: 0.2 new, 0.8 old)
+
+
 def test_the_ratio_is_measured_at_one_request_of_low_survival_too():
     """The decayed sums never exceed 10x one decision step's numbers, so at one request whose
     confidences predict under 0.8 drafts a step the predicted sum never reached the 8 drafts
