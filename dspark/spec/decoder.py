@@ -290,7 +290,8 @@ class SpecDecoder(StepPlanning):
         return PROBE_ROWS if self.probing else math.inf
 
     def _copy_conf_to_host(self) -> None:
-        self.host_confs.push(self.conf)
+        if self._policy == "lagged":  # (the one reader: its budget and drafting decision)
+            self.host_confs.push(self.conf)
 
     # -- observability --------------------------------------------------------------------------
     def metrics(self) -> dict:

@@ -70,3 +70,25 @@ def test_cpu_copies_land_at_once():
     c.push(torch.tensor([[0.3, 0.7]]))
     np.testing.assert_allclose(c.read(), [[0.3, 0.7]], rtol=1e-6)
     assert c.lag == 0
+
+
+def test_only_the_lagged_policy_copies_confidences_to_the_host(tiny_qwen, tmp_path):
+    """The host copies feed the lagged budget and the drafting decision only: the other
+    policies queue none (a device->host copy and an event a drafting step, for nothing)."""
+    from dspark import LLM, SamplingParams
+    from dspark.testing.drafters import make_tiny_drafter
+    from tests.unit.test_adaptive_engine import _table
+
+    drafter = make_tiny_drafter(str(tmp_path / "d"), tiny_qwen, seed=9)
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    pushed = {}
+    for policy in ("fixed", "threshold", "early_stop", "lagged"):
+        spec = {"model": drafter, "num_speculative_tokens": 3, "adaptive_policy": policy,
+                "cost_table_path": path}  # fmt: skip
+        llm = LLM(tiny_qwen, device="cpu", speculative_config=spec)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # fmt: skip
+        pushed[policy] = llm.engine.runner.spec.host_confs.newest_generation
+    assert pushed["lagged"] > 0 and pushed["fixed"] == pushed["threshold"] == 0, pushed
+    assert pushed["early_stop"] == 0, pushed
