@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:  # bad configuration or input: a clear message, no traceback
+    except (ValueError, FileNotFoundError) as e:  # bad configuration or input (a checkpoint
+        # folder without config.json, a missing file): a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -102,12 +102,17 @@ def cmd_train_drafter(args) -> int:
     import torch
 
     from dspark.engine.loading import resolve_device  # (the engine's: a clear CUDA error)
+    from dspark.models.config import read_config_json
     from dspark.train import data as D
     from dspark.train.drafter_trainer import DrafterTrainConfig, FrozenTarget, train_drafter
     from dspark.train.tokenizer_train import MASK_TOKEN, token_id
 
     device = resolve_device(args.device)
+    read_config_json(args.target, "target")  # (bad paths fail here, before the corpus is built)
     tok_dir = args.tokenizer or args.target
+    if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"no tokenizer.json in tokenizer folder {tok_dir!r} (--tokenizer, "
+                                "default: the target's folder)")
     corpus_dir = prepare_corpus(args.data, tok_dir, args.corpus_dir
                                 or os.path.join(args.output, "corpus"))
     corpus = D.TokenCorpus.load(corpus_dir, "train")

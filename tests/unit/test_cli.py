@@ -24,6 +24,14 @@ def test_generate_bad_config_is_a_clear_error(tiny_qwen, capsys):
     assert rc == 2 and "bogus" in capsys.readouterr().err
 
 
+def test_a_model_folder_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    for cmd in (["generate", "--prompt", "a"], ["profile", "--output", str(tmp_path / "c.json")]):
+        rc = main([*cmd, "--model", str(tmp_path / "none"), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"no config.json in model folder '{tmp_path / 'none'}'" in err, err
+        assert "Traceback" not in err
+
+
 def test_profile_writes_a_table_with_provenance(tiny_qwen, tmp_path, capsys):
     drafter = make_tiny_drafter(str(tmp_path / "d"), tiny_qwen)
     out = tmp_path / "cost.json"

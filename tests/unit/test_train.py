@@ -449,8 +449,20 @@ def test_train_drafter_on_a_missing_cuda_device_says_so(env, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_train_drafter_on_a_missing_data_path_names_the_field(env, tmp_path, capsys):
+def test_train_drafter_on_missing_paths_names_the_field(env, tmp_path, capsys):
     from dspark.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "m.py").write_text("x = 1\n")
+    for target, tokenizer, said in [
+        (str(tmp_path / "none"), [], f"no config.json in target folder '{tmp_path / 'none'}'"),
+        (env.target, ["--tokenizer", str(src)], f"no tokenizer.json in tokenizer folder '{src}'"),
+    ]:  # a bad target or tokenizer folder fails before the corpus is built
+        rc = main(["train-drafter", "--target", target, *tokenizer, "--data", str(src),
+                   "--output", str(tmp_path / "drafter"), "--device", "cpu"])  # fmt: skip
+        assert rc == 2 and said in capsys.readouterr().err
+        assert not (tmp_path / "drafter").exists()
 
     rc = main(["train-drafter", "--target", env.target, "--data", str(tmp_path / "none"),
                "--output", str(tmp_path / "drafter"), "--device", "cpu"])  # fmt: skip
