@@ -22,6 +22,7 @@ per search and 90-230 us per decision for the demo pair (eighteenth to thirtieth
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import os
 import sys
@@ -112,14 +113,16 @@ def measure(num_reqs: int, repeats: int, cold: bool = False) -> str:
     chunk = timed(lambda: sd.planner.plan_cpu(stale, caps, next(sizes), caps.size, 0.0, 2.0),
                   repeats)  # fmt: skip
     # a decode plan on which the drafting decision is due (every few steps, and whenever the
-    # batch size moves by a quarter: its stale confidences read and surveyed, drafting priced)
-    due = sd.drafting.due
+    # batch size moves by a quarter: its stale confidences read and surveyed, drafting priced
+    # against plain decoding as in serving, where draft skipping is on; the decision's state
+    # is put back after, so that the later parts plan with drafting on)
+    kept = copy.deepcopy(sd.drafting)
     sd.drafting.due, sd.drafting.routine = (lambda num_reqs: True), (lambda *a: False)
+    sd.drafting.enabled = True
     try:
         decision = timed(lambda: sd.plan(host), repeats)
     finally:
-        sd.drafting.due = due
-        del sd.drafting.routine  # (the method again)
+        sd.drafting = kept
     # (the planner's standing plans: StandingPlans holds the counts)
     sd.planner.standing.clear_plans = sd.planner.standing.trimmed_plans = sd.settled_plans = 1
     sd.planner.invalidate_tables()  # (drops the standing plans too)
