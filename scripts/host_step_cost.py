@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -65,15 +66,17 @@ def settling_table(path: str) -> str:
 
 def hold_plain(spec) -> None:
     """An adaptive engine whose drafting decision always says plain decoding, with no probes
-    and no decision due (its survival is never known here, so one would be due every step;
-    in serving they come every few steps): every decode step is the adaptive engine's plain
-    step."""
+    and no decision due (in serving they come every few steps; its survival, never surveyed
+    here, is set as if it had been): every decode step is the adaptive engine's plain step,
+    planned as in serving between decisions (DraftingDecision.routine)."""
     import dspark.spec.drafting as drafting
 
     spec.drafting._pays = lambda *a, **k: False
     spec.drafting.pays = spec.drafting.plain_probes = False
     spec.drafting.due = lambda num_reqs: False
-    drafting._PROBE_EVERY = 1 << 30
+    spec.drafting.survival = np.ones(spec.k)
+    spec.drafting._decide_spacing = 1 << 20  # (routine: no decision due)
+    drafting._PROBE_EVERY = drafting._MOVED_MIN = 1 << 30
 
 
 def prefill_all(engine, stub: StepGraphs | None = None) -> None:

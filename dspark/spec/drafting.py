@@ -162,20 +162,25 @@ class DraftingDecision:
                 or self._clock() - self._decided_at >= self._min_interval_s * spacing)  # fmt: skip
 
     def routine(self, num_reqs: int, online: bool) -> bool:
-        """A plan that neither decides nor probes while drafting pays, told from the state
-        alone: due(num_reqs) would return False and after_plan(False, ...) (True, False).
-        Then both methods' effects are made here and it returns True; else nothing changes
-        and the caller takes due / after_plan (a standing plan's path: step_planning.py)."""
-        if (self._forced or not self.pays or self._plain_probe_left or self.survival is None
-                or self._since_decision + 1 >= _DECIDE_EVERY * self._decide_spacing
-                or (online and self._plain_may_win and self.plain_probes and self.enabled)):
-            return False  # (a decision, a probe, or a plain probe may be due)
+        """A plan that neither decides nor probes, told from the state alone: due(num_reqs)
+        would return False and after_plan(False, ...) (pays, not pays), no draft or plain
+        probe starting. Then both methods' effects are made here and it returns True; else
+        nothing changes and the caller takes due / after_plan (the short paths of a standing
+        plan while drafting and of a plain step while not: step_planning.py)."""
+        if (self._forced or self._plain_probe_left or self.survival is None
+                or self._since_decision + 1 >= _DECIDE_EVERY * self._decide_spacing):
+            return False  # (a decision may be due, or a plain probe runs)
+        if self.pays:  # (a plain probe may be due)
+            if online and self._plain_may_win and self.plain_probes and self.enabled:
+                return False
+        elif (self._skipped + 1) % (_PROBE_EVERY * self._probe_spacing) == 0:
+            return False  # (a draft probe is due)
         change = abs(num_reqs - self._decided_reqs)
         if change * 4 > num_reqs and change >= _MOVED_MIN:
             return False
         self._since_decision += 1
         self._plans += 1
-        self._skipped = 0
+        self._skipped = 0 if self.pays else self._skipped + 1
         return True
 
     def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:

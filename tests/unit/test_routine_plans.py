@@ -50,7 +50,8 @@ def _random_decision(rng: np.random.Generator) -> DraftingDecision:
     d._decided_reqs = int(rng.integers(0, 40))
     d._decided_at = now - float(rng.choice([0.001, 0.05, 1.0]))
     d._plain_may_win = bool(rng.random() < 0.5)
-    d._skipped = int(rng.integers(0, 100))
+    d._skipped = int(rng.choice([rng.integers(0, 100), 63, 127]))  # (a draft probe next, or not)
+    d._probe_spacing = int(rng.choice([1, 2]))
     d._plans = int(rng.integers(0, 2000))
     if rng.random() < 0.3:
         d._plain_probed[(True, 4)] = d._plans - int(rng.integers(0, 1000))
@@ -74,7 +75,8 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
         answers[routine] += 1
         if routine:
             assert not full.due(n)
-            assert full.after_plan(False, None, fixed, online, n, n, 0) == (True, False)
+            after = full.after_plan(False, None, fixed, online, n, n, 0)
+            assert after == (d.pays, not d.pays)  # (drafting or not; no probe starts)
             assert _state(fast) == _state(full)
         else:
             assert _state(fast) == _state(d)
@@ -83,8 +85,8 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
 
 def _plans(llm, fast: bool) -> tuple[list, list, dict]:
     """Generate with the drafting decision's clock out of play; every plan as (budget, kind,
-    drafts, probe, trimmed), the outputs, and counters (routine plans, decisions, plans
-    counted by part, steps by kind)."""
+    drafts, probe, trimmed, the settled plans standing), the outputs, and counters (routine
+    plans, decisions, plans counted by part, steps by kind)."""
     spec = llm.engine.runner.spec
     spec.drafting._min_interval_s = 0.0  # (else decisions would depend on the wall clock)
     routine, due, plan, seen = spec.drafting.routine, spec.drafting.due, spec.plan, []
@@ -103,7 +105,7 @@ def _plans(llm, fast: bool) -> tuple[list, list, dict]:
     def recording(host, *room):
         budget = plan(host, *room)
         seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
-                     spec._step_trimmed))  # fmt: skip
+                     spec._step_trimmed, sorted((k, tuple(v)) for k, v in spec._settled.items())))
         return budget
 
     spec.drafting.routine, spec.drafting.due, spec.plan = counting_routine, counting_due, recording
@@ -116,12 +118,17 @@ def _plans(llm, fast: bool) -> tuple[list, list, dict]:
 
 
 @pytest.mark.parametrize("draft_ms,max_seqs", [(0.0, 16), (0.3, 4), (20.0, 16)])
-def test_routine_plans_equal_the_full_path(tiny_qwen, drafter, tmp_path, draft_ms, max_seqs):
+def test_routine_plans_equal_the_full_path(tiny_qwen, drafter, tmp_path, monkeypatch, draft_ms,
+                                           max_seqs):  # fmt: skip
     """The same requests (staggered lengths: the batch size moves as they finish) planned
     with and without the routine path: plan for plan the same budget, kind and drafting
     state, the same outputs and counters. A 0.3 ms drafter beside a 1 ms step, four
     requests at a time (the others admitted as slots free: reused slots, steps with prefill
-    chunks between decode steps); a 20 ms drafter (drafting turns off, draft probes)."""
+    chunks between decode steps); a 20 ms drafter (drafting turns off; a draft probe every
+    8 plain steps)."""
+    import dspark.spec.drafting as drafting_mod
+
+    monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 8)  # (draft probes within the run)
     path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
                   fixed_overhead_ms=0.5, draft_base_ms=draft_ms, draft_ms_per_req=0.0)  # fmt: skip
     spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
@@ -136,7 +143,40 @@ def test_routine_plans_equal_the_full_path(tiny_qwen, drafter, tmp_path, draft_m
     for key in ("parts", "kinds"):
         assert fast_counts[key] == full_counts[key]
     assert full_counts["routine"] == 0
-    if draft_ms < 1.0:
-        assert fast_counts["routine"] >= len(fast) // 3, fast_counts
-    else:  # (drafting off: no routine plan; the probes' plans are the full path's)
-        assert fast_counts["kinds"]["plain"] > len(fast) // 2, fast_counts
+    assert fast_counts["routine"] >= len(fast) // 3, fast_counts
+    if draft_ms > 1.0:  # (drafting off: routine plain steps; probes and decisions between)
+        kinds = fast_counts["kinds"]
+        assert kinds["plain"] > len(fast) // 2 and kinds["draft"] > 2, fast_counts
+
+
+def test_a_routine_plain_step_keeps_a_standing_settled_plan_and_drops_an_expired_one(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """As the full path: a settled plan of the same requests that still stands outlives a
+    plain step (it stands for it), one past its plans is dropped (_plan pops it)."""
+    path = _table(tmp_path, "costly", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=20.0, draft_ms_per_req=0.0)  # fmt: skip
+    spec_cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+                "cost_table_path": path}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", speculative_config=spec_cfg)
+    spec, hosts, plan = llm.engine.runner.spec, [], llm.engine.runner.spec.plan
+    spec.plan = lambda host, *room: hosts.append(host) or plan(host, *room)
+    llm.generate([{"prompt_token_ids": list(range(5 + i, 15 + i))} for i in range(3)],
+                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))  # fmt: skip
+    spec.plan = plan
+    host = next(h for h in reversed(hosts) if h.plan_scalars()[1:3] == (0, 0))  # a plain step
+    n, routine, d = host.plan_scalars()[0], spec.drafting.routine, spec.drafting
+    assert not d.pays and d.survival is not None  # (drafting off, decided)
+    for expired in (True, False):
+        seen = []
+        for fast in (True, False):
+            d.routine = routine if fast else (lambda num_reqs, online: False)
+            d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
+            d._skipped, d._probe_spacing = 0, 1
+            until = spec._plans_counted + (1 if expired else 5)  # (the plan counts itself first)
+            spec._settled = {(n, True): [until, 5 * n, False]}
+            budget = spec.plan(host)
+            settled = {k: (v[0] - spec._plans_counted, *v[1:]) for k, v in spec._settled.items()}
+            seen.append((budget, spec.last_kind, spec.draft_enabled, settled, d._skipped,
+                         d._since_decision))  # fmt: skip
+        assert seen[0] == seen[1]
+        assert ((n, True) in seen[0][3]) is not expired and seen[0][:3] == (0, "plain", False)
