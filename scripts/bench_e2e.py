@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_report import print_table  # noqa: E402  (the summary and per-level diagnostics)
 
-from dspark.spec.drafting import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
+from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 
 ARM_KINDS = ("nospec", "fixed", "adaptive")
 

@@ -41,16 +41,14 @@ Two kinds of probe keep both sides of the comparison measured:
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
 import numpy as np
 
+from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.rates import decode_rates, prefix_survival
-
-logger = logging.getLogger(__name__)
+from dspark.spec.rates import decode_rates, predicted_accepted, prefix_survival
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter
 # and by at least _MOVED_MIN requests: at c = 4 a request leaving or arriving moved 4 to 3 and
@@ -98,7 +96,6 @@ _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
 # there turned drafting off at c = 4 (logged at 3 requests; H200, trained pair)
 _FLIP_AFTER = 2
-_FLIP_LOG_EVERY_S = 1.0  # drafting turned on / off: logged at INFO at most this often
 _ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
 _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used,
 # or this many observed decision steps: the decayed sum never exceeds 10x one step's
@@ -107,7 +104,6 @@ _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ra
 # drafting off on the underestimate where fixed K beat no speculation by 7%)
 _ACCEPT_MIN_STEPS = 16
 _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
-FLIP_LOG_PREFIX = "adaptive verification: drafting "  # (scripts/bench_e2e.py collects these)
 
 
 class DraftingDecision:
@@ -140,7 +136,7 @@ class DraftingDecision:
         self._plans = 0
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
-        self._flip_logged = -math.inf
+        self._flip_log = FlipLog()
         # the last decision: could plain decoding at its cheapest (the table's bare forward,
         # less a negative fixed term if one was measured) beat drafting by the guard? If
         # not, no plain probe can turn drafting off, and probing would only cost tokens
@@ -286,7 +282,7 @@ class DraftingDecision:
                 if first or self._against >= _FLIP_AFTER:
                     self.pays, self._against = verdict, 0
                     if self._numbers is not None:
-                        self._log_flip(verdict, *self._numbers)
+                        self._flip_log.say(verdict, *self._numbers)
             self._decided = self._decided or (counted and self._numbers is not None)
             self._since_decision, self._decided_reqs = 0, num_reqs
             self._forced = False
@@ -388,31 +384,3 @@ class DraftingDecision:
             return False
         self._plain_probed[bucket] = self._plans
         return True
-
-    def _log_flip(self, pays: bool, num_sampling: int, spec_rate: float, plain_rate: float,
-                  spec_fixed: float, plain_fixed: float | None, measured_here: bool,
-                  survival: np.ndarray, ratio: float) -> None:  # fmt: skip
-        """Say on which numbers drafting turned on or off (INFO at most every second)."""
-        now = time.monotonic()
-        quiet = now - self._flip_logged < _FLIP_LOG_EVERY_S
-        if not quiet:
-            self._flip_logged = now
-        if plain_fixed is None:
-            plain = "unmeasured (the speculative term stands in)"
-        else:
-            where = "measured at this batch size" if measured_here else "another batch size's"
-            plain = f"{plain_fixed:.3f} ms ({where})"
-        logger.log(logging.DEBUG if quiet else logging.INFO,
-                   FLIP_LOG_PREFIX + "%s at %d requests: best verify length "
-                   "%.3f tok/ms vs plain decoding %.3f tok/ms; fixed terms: speculative %.3f ms, "
-                   "plain %s; mean survival %s (the confidences' x %.2f, accepted / predicted)",
-                   "on" if pays else "off", num_sampling, spec_rate, plain_rate, spec_fixed,
-                   plain, [round(float(s), 2) for s in survival], ratio)  # fmt: skip
-
-
-def predicted_accepted(survival: np.ndarray) -> np.ndarray:
-    """[rows, K + 1]: the drafts each row is expected to get accepted if it verifies
-    l = 0..K of them (the sum of its first l prefix survivals, [rows, K])."""
-    out = np.zeros((survival.shape[0], survival.shape[1] + 1))
-    survival.cumsum(axis=1, out=out[:, 1:])  # (the method: no wrapper)
-    return out

@@ -69,3 +69,11 @@ def mean_survival(stale: np.ndarray | None, prior_conf: float = 1.0) -> np.ndarr
     if stale is None or stale.size == 0:
         return None
     return prefix_survival(stale, prior_conf).mean(axis=0)
+
+
+def predicted_accepted(survival: np.ndarray) -> np.ndarray:
+    """[rows, K + 1]: the drafts each row is expected to get accepted if it verifies
+    l = 0..K of them (the sum of its first l prefix survivals, [rows, K])."""
+    out = np.zeros((survival.shape[0], survival.shape[1] + 1))
+    survival.cumsum(axis=1, out=out[:, 1:])  # (the method: no wrapper)
+    return out

@@ -147,9 +147,9 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
     accepted / the number its confidences predicted at the lengths verified."""
     import numpy as np
 
-    from dspark.spec.drafting import DraftingDecision, predicted_accepted
+    from dspark.spec.drafting import DraftingDecision
     from dspark.spec.online_cost import FixedCosts
-    from dspark.spec.rates import prefix_survival
+    from dspark.spec.rates import predicted_accepted, prefix_survival
 
     # plain decoding 1 token per ms; drafting costs another ms: it pays above ~1.1 survivals
     cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,

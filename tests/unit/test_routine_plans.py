@@ -27,6 +27,8 @@ def _state(obj) -> dict:
     for k, v in vars(obj).items():
         if isinstance(v, np.ndarray):
             v = (v.shape, tuple(v.ravel().tolist()))
+        elif hasattr(v, "__dict__") and not callable(v):  # (a helper object: its state)
+            v = _state(v)
         elif isinstance(v, dict):
             v = {kk: (tuple(vv.tolist()) if isinstance(vv, np.ndarray) else vv)
                  for kk, vv in v.items()}  # fmt: skip
