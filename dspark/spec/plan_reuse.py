@@ -18,7 +18,12 @@ Shapes share a standing plan when:
 - their request counts are within ~6% (`nearby_rows`); at c = 256 a request finishes or
   arrives at nearly every step;
 - their prefill chunks are of the same power-of-two size (`nearby_other`);
-- the opportunity rates of those steps are within ~5% (`rate_group`).
+- the opportunity rate of a step with prefill chunks is within ~5% of the rate its plan was
+  searched at (`near_rate`). Fixed 5% groups (until the thirty-fourth session) split rates
+  0.1% apart at a group's edge; a rate that moves a few % between the rare steps of one
+  chunk-size group found another group at nearly each of them (H200, trained pair, T = 1,
+  c = 64: 372 of 380 steps with prefill chunks searched, ~0.31 ms each, 5.9% of the step
+  time).
 
 The plan is carried over as the same share of the new shape's drafts (`rescaled`). Steps
 with prefill chunks were most of the searches at c = 256 on the H200 (trained pair), ~0.2-0.3
@@ -68,10 +73,15 @@ def nearby_other(num_other_tokens: int) -> int:
     return 1 << (num_other_tokens - 1).bit_length() if num_other_tokens > 0 else 0
 
 
-def rate_group(rate: float | None) -> int | None:
-    """The group of an opportunity rate (tokens/ms decoding would earn) whose plans stand for
-    each other: within ~5% (None: a step without prefill chunks)."""
-    return None if rate is None else int(math.log(max(rate, 1e-6)) * 20.0)
+RATE_TOLERANCE = 0.05  # |ln(rate / searched rate)|: ~5% either side
+
+
+def near_rate(rate: float | None, searched: float | None) -> bool:
+    """Whether a plan searched at opportunity rate `searched` (tokens/ms decoding would earn;
+    None: a step without prefill chunks) stands at `rate`."""
+    if rate is None or searched is None:
+        return rate is searched
+    return abs(math.log(max(rate, 1e-6) / max(searched, 1e-6))) <= RATE_TOLERANCE
 
 
 def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
@@ -91,19 +101,20 @@ def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
 class StandingPlans:
     def __init__(self, clear_plans: int = 1, trimmed_plans: int = 1, guard: float = 0.04):
         self.clear_plans, self.trimmed_plans, self.guard = clear_plans, trimmed_plans, guard
-        self._plans: dict[tuple, list] = {}  # group -> [plans it still stands for, decision]
+        # group -> [plans it still stands for, decision, the opportunity rate it was searched at]
+        self._plans: dict[tuple, list] = {}
 
     @staticmethod
-    def group(num_reqs: int, num_other_tokens: int, trim_penalty_ms: float, all_sampling: bool,
-              opportunity_rate: float | None) -> tuple:  # fmt: skip
-        return (nearby_rows(num_reqs), nearby_other(num_other_tokens), trim_penalty_ms,
-                all_sampling, rate_group(opportunity_rate))  # fmt: skip
+    def group(num_reqs: int, num_other_tokens: int, trim_penalty_ms: float,
+              all_sampling: bool) -> tuple:  # fmt: skip
+        return nearby_rows(num_reqs), nearby_other(num_other_tokens), trim_penalty_ms, all_sampling
 
-    def take(self, group: tuple, cand, total: int) -> BudgetDecision | None:
-        """The group's standing decision for a shape of `total` drafts (counted as used), or
-        None when none stands. `cand`: as for `rescaled`."""
+    def take(self, group: tuple, cand, total: int,
+             rate: float | None = None) -> BudgetDecision | None:  # fmt: skip
+        """The group's standing decision for a shape of `total` drafts at opportunity rate
+        `rate` (counted as used), or None when none stands. `cand`: as for `rescaled`."""
         standing = self._plans.get(group)
-        if standing is None or standing[0] <= 0:
+        if standing is None or standing[0] <= 0 or not near_rate(rate, standing[2]):
             return None
         standing[0] -= 1
         d = standing[1]
@@ -117,13 +128,14 @@ class StandingPlans:
             return self.clear_plans
         return min(self.clear_plans, self.trimmed_plans)
 
-    def put(self, group: tuple, d: BudgetDecision) -> None:
-        """A searched decision, standing for as many plans as its kind earns."""
+    def put(self, group: tuple, d: BudgetDecision, rate: float | None = None) -> None:
+        """A decision searched at opportunity rate `rate`, standing for as many plans as its
+        kind earns."""
         stands_for = self.plans_for(d)
         if stands_for > 1:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            self._plans[group] = [stands_for - 1, d]
+            self._plans[group] = [stands_for - 1, d, rate]
 
     def drop(self, group: tuple | None) -> None:
         self._plans.pop(group, None)

@@ -120,18 +120,18 @@ class Planner:
                 self.last_decision, self.last_settled = ctx[3], True
                 return total
         group = StandingPlans.group(caps.size, num_other_tokens, trim_penalty_ms,
-                                    num_sampling_reqs == caps.size, opportunity_rate)
+                                    num_sampling_reqs == caps.size)
         self._last_group = group  # (retire_standing)
         # (a step with prefill chunks builds its chunk size's context only if a plan needs it)
         cand = ctx[0] if ctx else lambda: self._context(caps.size, num_other_tokens, total)[0]
-        d = self.standing.take(group, cand, total)
+        d = self.standing.take(group, cand, total, opportunity_rate)
         if d is not None:
             self.last_decision = d
             return d.budget
         if ctx is None and self._chunk_bound_settles(caps.size, num_other_tokens, total,
                                                      num_sampling_reqs, opportunity_rate):
             d = settled_decision(total)
-            self.standing.put(group, d)  # (clear of the guard: it stands the longest)
+            self.standing.put(group, d, opportunity_rate)  # (clear of the guard: the longest)
             self.last_decision, self.last_settled = d, True
             return total
         self.searches += 1
@@ -150,7 +150,7 @@ class Planner:
                 times = times + penalties(cand, trim_penalty_ms)
             d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                             opportunity_rate)  # fmt: skip
-        self.standing.put(group, d)
+        self.standing.put(group, d, opportunity_rate)
         self.last_decision = d
         return d.budget
 

@@ -600,15 +600,17 @@ def test_a_trimmed_plan_stands_for_the_next_plans_of_its_shape():
 def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates():
     """A step with prefill chunks plans against the opportunity rate of decoding; its plan
     stands, confidences unread, for the next plans whose chunk is in the same power-of-two
-    size group and whose rate is within ~5%; another size group, another rate, or a step
-    without chunks searches. The reused budget is the one a search would find while the
-    confidences stay put."""
-    from dspark.spec.plan_reuse import nearby_other, rate_group
+    size group and whose rate is within ~5% of the rate it was searched at; another size
+    group, a rate further off, or a step without chunks searches. The reused budget is the
+    one a search would find while the confidences stay put."""
+    from dspark.spec.plan_reuse import near_rate, nearby_other
 
     assert [nearby_other(n) for n in (0, 1, 2, 3, 256, 257, 512, 513)] == [
         0, 1, 2, 4, 256, 512, 512, 1024]
-    assert rate_group(None) is None
-    assert rate_group(10.0) == rate_group(10.2) != rate_group(11.0)
+    assert near_rate(None, None) and not near_rate(None, 10.0) and not near_rate(10.0, None)
+    assert near_rate(10.2, 10.0) and near_rate(9.6, 10.0) and not near_rate(11.0, 10.0)
+    # (rates either side of where fixed 5% groups split them, int(20 ln r): 9.97 | 9.98)
+    assert near_rate(9.98, 9.97) and near_rate(9.97, 9.98)
     steep = CostModel.from_measurements([1, 512], [1.0, 64.0])
     p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
     caps = np.full(8, 3)
@@ -617,12 +619,14 @@ def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates()
     stale = _counting_reads(reads)
     want = plan_budget_lagged(weak, caps, 300, 8, steep, opportunity_rate=1.93)
     assert want.trimmed
-    got = [p.plan_cpu(stale(weak), caps, n, 8, opportunity_rate=r)  # (rates of one group)
-           for n, r in ((300, 1.93), (400, 1.93), (500, 1.99), (300, 1.93))]
+    got = [p.plan_cpu(stale(weak), caps, n, 8, opportunity_rate=r)  # (within 5% of 1.93)
+           for n, r in ((300, 1.93), (400, 1.93), (500, 2.02), (300, 1.84))]
     assert got == [want.budget] * 4 and len(reads) == 1  # one search, three reuses
     p.plan_cpu(stale(weak), caps, 600, 8, opportunity_rate=1.93)  # 513-1024: another group
     assert len(reads) == 2
-    p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.5)  # another rate group
+    p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.05)  # 6% above the searched 1.93
+    assert len(reads) == 3
+    p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.14)  # within 5% of 2.05, now
     assert len(reads) == 3
     p.plan_cpu(stale(weak), caps, 0, 8)  # no prefill chunk: its own shape
     assert len(reads) == 4
