@@ -20,10 +20,10 @@ Shapes share a standing plan when:
 - their prefill chunks are of the same power-of-two size (`nearby_other`);
 - the opportunity rate of a step with prefill chunks is within ~5% of the rate its plan was
   searched at (`near_rate`). Fixed 5% groups (until the thirty-fourth session) split rates
-  0.1% apart at a group's edge; a rate that moves a few % between the rare steps of one
-  chunk-size group found another group at nearly each of them (H200, trained pair, T = 1,
-  c = 64: 372 of 380 steps with prefill chunks searched, ~0.31 ms each, 5.9% of the step
-  time).
+  0.1% apart at a group's edge. On the H200 (trained pair, T = 1, c = 64) 372 of 380 steps
+  with prefill chunks searched, ~0.31 ms each, 5.9% of the step time; by inference (the
+  groups were not logged), a rate moving a few % between the rare steps of one chunk-size
+  group crossed an edge at most of them.
 
 The plan is carried over as the same share of the new shape's drafts (`rescaled`). Steps
 with prefill chunks were most of the searches at c = 256 on the H200 (trained pair), ~0.2-0.3
