@@ -120,8 +120,9 @@ class StepPlanning:
         plan() and _after_budget do for it, in one call. In the H200 host's serving loop
         such plans took 27-29 µs each at c = 16 on the trained pair (thirty-second session),
         ~2% of a 1.3 ms step, against fixed K's ~6 µs: their cost is the objects and methods
-        a plan touches with the caches cold, not its arithmetic (22-24 -> ~15 µs here,
-        `plan_cost.py --cold`, development machine)."""
+        a plan touches with the caches cold, not its arithmetic (20-23 -> 15-18 µs cold on
+        the development machine; in situ, with the thirty-third session's cuts, "other"
+        plans at c = 16 took 17-18 µs, thirty-fourth session)."""
         if self.cost is not None:
             self.cost.set_step_context(context)  # (step_tag prices the step's context read)
         room = self._draft_room
