@@ -8,6 +8,8 @@ decodes plainly at every size), so this lines steps up by shape:
   * steps with prefill chunks whose rows verify nothing, by batch size and forward tokens
     (bins of 256), where every arm has them: mean busy ms, and each arm's mean difference;
   * steps at the full token budget (compute-bound prefill): mean busy ms;
+  * the lagged plans' parts (decision / search / other) by kind of step, where the log has
+    them (a seventh field since the thirty-fourth session);
   * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
     whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
     draft slots charged but not verified), priced at those steps' own ms per token.
@@ -28,9 +30,20 @@ def read_steps(path: str) -> list[tuple[str, int, int, int, float, float]]:
     steps = []
     with open(path) as f:
         for line in f:
-            k, r, t, p, b, i = line.split()
+            k, r, t, p, b, i = line.split()[:6]
             steps.append((k, int(r), int(t), int(p), float(b), float(i)))
     return steps
+
+
+def plan_parts(path: str) -> dict[str, dict[str, int]]:
+    """{kind of step: {plan part: steps}} from a log's seventh field (empty: an older log)."""
+    parts: dict[str, dict[str, int]] = defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 6:
+                parts[fields[0]][fields[6]] = parts[fields[0]].get(fields[6], 0) + 1
+    return dict(parts)
 
 
 def last_level(steps: list) -> list:
@@ -130,13 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--last-level", action="store_true",
                     help="only the sweep's last level (the ramp to the largest batch onwards)")
     args = ap.parse_args(argv)
-    named = {}
+    named, parts = {}, []
     for path in args.logs:
         steps = read_steps(path)
-        named[os.path.basename(path).removeprefix("serve_").split(".")[0]] = (
-            last_level(steps) if args.last_level else steps)  # fmt: skip
+        name = os.path.basename(path).removeprefix("serve_").split(".")[0]
+        named[name] = last_level(steps) if args.last_level else steps
+        by_kind = plan_parts(path) if not args.last_level else {}  # (whole logs only)
+        if any(p != "-" for kinds in by_kind.values() for p in kinds):
+            parts.append(f"{name} plans by kind of step: " + "; ".join(
+                f"{k} " + ", ".join(f"{p} {n}" for p, n in sorted(v.items()))
+                for k, v in sorted(by_kind.items())))  # fmt: skip
     lines = [ln for name, steps in named.items() for ln in report(name, steps, args.budget)]
-    print("\n".join(lines + decode_by_batch(named) + prefill_by_shape(named)))
+    print("\n".join(lines + parts + decode_by_batch(named) + prefill_by_shape(named)))
     return 0
 
 

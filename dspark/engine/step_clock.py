@@ -16,7 +16,8 @@ rows) go to the engine's stats and /metrics. A gap over MAX_IDLE_MS is the engin
 requests, not a step waiting for the host: not counted.
 
 With DSPARK_STEP_CLOCK_LOG=PATH as well, every step read is also written to PATH as one line
-`kind requests forward_tokens prefill_tokens busy_ms idle_ms` (idle -1: a gap not counted),
+`kind requests forward_tokens prefill_tokens busy_ms idle_ms plan` (idle -1: a gap not
+counted; plan: the lagged plan's part, decision / search / other, or "-"),
 so that steps of two engines can be compared at the same batch shape (per-kind means mix
 batch sizes: an adaptive engine drafts only below some batch size, no-spec at every size).
 """
@@ -84,7 +85,12 @@ class StepClock:
         shape = None
         if self.log is not None:  # (host facts, read now: the HostStep is reused)
             reqs, _, prefill, *_ = host.plan_scalars()
-            shape = (reqs, host.forward_tokens(plan), prefill)
+            # the lagged plan's part (decision / search / other: tracing.Overhead); "-" none
+            overhead = getattr(spec, "overhead", None)
+            part = "-" if overhead is None or overhead.last_part is None else overhead.last_part
+            if overhead is not None:
+                overhead.last_part = None
+            shape = (reqs, host.forward_tokens(plan), prefill, part)
         after = self._event()
         after.record()
         self._pending.append((kind, before, after, shape))
@@ -103,7 +109,8 @@ class StepClock:
             else:
                 idle = -1.0  # (the first step, or the engine waited for requests)
             if shape is not None:
-                self.log.write(f"{kind} {shape[0]} {shape[1]} {shape[2]} {busy:.3f} {idle:.3f}\n")
+                self.log.write(f"{kind} {shape[0]} {shape[1]} {shape[2]} {busy:.3f} {idle:.3f} "
+                               f"{shape[3]}\n")
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{kind: {"steps", "busy_ms", "idle_ms"}} of the steps read so far."""

@@ -59,12 +59,14 @@ class Overhead:
     def __init__(self) -> None:
         self.plan_ms = dict.fromkeys(PLAN_PARTS, 0.0)
         self.plans = dict.fromkeys(PLAN_PARTS, 0)
+        self.last_part: str | None = None  # the last plan's part (the step log takes it)
         self.alloc_ms = 0.0
         self._spans: list = []  # DeviceSpan / host ms of allocations not yet added
 
     def add_plan(self, part: str, ms: float) -> None:
         self.plan_ms[part] += ms
         self.plans[part] += 1
+        self.last_part = part
 
     @staticmethod
     def alloc_timer(device: torch.device) -> Timer:

@@ -122,7 +122,7 @@ class ShapedHost:
 def test_the_step_log_writes_each_step_with_its_shape():
     """DSPARK_STEP_CLOCK_LOG: one line per step read, in order, with the requests, the tokens
     the forward ran (a trimmed plan's budget, not the packed slots), the prefill tokens, busy
-    and idle ms (-1: a gap that is not the host's)."""
+    and idle ms (-1: a gap that is not the host's), and the lagged plan's part ("-": none)."""
     import io
 
     dev, log = FakeDevice(), io.StringIO()
@@ -133,15 +133,18 @@ def test_the_step_log_writes_each_step_with_its_shape():
         dev.now += 1.0
         before = clock.begin()
         dev.work(ms)
-        clock.end(before, host, SimpleNamespace(last_kind=kind, last_verifies=plan != 0), plan)
+        overhead = SimpleNamespace(last_part="search" if kind == "verify" else None)
+        clock.end(before, host, SimpleNamespace(last_kind=kind, last_verifies=plan != 0,
+                                                overhead=overhead), plan)  # fmt: skip
+        assert overhead.last_part is None  # (taken: a later step without a plan logs "-")
         dev.now += 2 * MAX_IDLE_MS if kind == "mixed" else 0.0
     assert "plain" not in log.getvalue()  # not read yet: its events are pending
     dev.now += 100.0
     clock.collect()
     assert log.getvalue().splitlines() == [
-        "verify 4 14 0 3.000 -1.000",  # the first step: no gap before it
-        "mixed_verify 4 132 100 5.000 0.000",  # enqueued behind the first: no idle
-        "plain 6 6 0 2.000 -1.000"]  # after the long wait for requests: not counted
+        "verify 4 14 0 3.000 -1.000 search",  # the first step: no gap before it
+        "mixed_verify 4 132 100 5.000 0.000 -",  # enqueued behind the first: no idle
+        "plain 6 6 0 2.000 -1.000 -"]  # after the long wait for requests: not counted
     assert clock.snapshot()["plain"]["busy_ms"] == 2.0
 
 

@@ -55,3 +55,22 @@ def test_steps_with_prefill_line_up_by_batch_and_tokens(tmp_path, capsys):
     assert "96-127" not in out  # (only nospec has steps at 100 requests)
     # (29 - 27) x 1 + (42 - 40) x 1 over weights 1 + 1
     assert "adaptive7 against nospec: +2.00 ms a step (weighted mean over 2 cells)" in out
+
+
+def test_the_plans_parts_are_counted_by_kind_of_step(tmp_path, capsys):
+    """A log with the plan's part (seventh field) reports decision / search / other by kind
+    of step; an older log without it reads as before and reports none."""
+    lines = ["verify 16 128 0 1.000 0.100 other", "verify 16 128 0 1.000 0.100 decision",
+             "mixed_verify 16 300 172 1.500 0.100 search", "mixed_verify 16 300 172 1.5 0.1 search",
+             "plain 16 16 0 0.500 0.100 -"]  # fmt: skip
+    new = tmp_path / "serve_adaptive7.log.steps"
+    new.write_text("\n".join(lines) + "\n")
+    old = _write(tmp_path / "serve_nospec.log.steps", [("plain", 16, 16, 0, 0.5, 0.1)])
+    assert slr.plan_parts(str(new)) == {"verify": {"other": 1, "decision": 1},
+                                        "mixed_verify": {"search": 2}, "plain": {"-": 1}}
+    assert slr.plan_parts(old) == {} and len(slr.read_steps(str(new))) == 5
+    assert slr.main([old, str(new), "--budget", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert ("adaptive7 plans by kind of step: mixed_verify search 2; plain - 1; verify "
+            "decision 1, other 1") in out
+    assert "nospec plans by kind" not in out
