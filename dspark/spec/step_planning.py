@@ -2,25 +2,19 @@
 from stale host confidences, the drafting decision's cadence, every step's kind, and what the
 online cost model observes of the step once it ran.
 
-A plan the cost bound settles (verify every draft, whatever the confidences: the common step
-at low load; also one it settles only with the learned trim penalty, as on a host-bound pair
-whose trims save nothing), or a searched one that verifies every draft clear of the guard,
-stands for the next SETTLED_PLANS - 1 plans (a searched verify-all near the guard: as long as
-the planner's own standing plan would) of the same shape (requests, sampling mode, at
-most its draft fills; no prefill chunk) that do not re-run the drafting decision: those verify
-every draft without re-reading the learned fixed term, the bound or the confidences. On small
-host-bound pairs planning was 3.5-7% of a 0.5-1.8 ms step (26-68 µs of Python a plan in the
-H200 host's serving loop, twenty-fifth session), most of it such steps; the trained pair at
-T = 0, c = 1, whose plans the penalty settled, spent 55 µs on each of them (thirty-first
-session). A standing plan reads terms at most SETTLED_PLANS - 1 plans old (the fixed term is
-a fenced mean of 15 steps and moves little in that time); a decision step re-reads everything.
-Likewise a plain step while drafting is off (nothing to verify, no decision due) reads neither
-the terms nor the planner: 2.8-4.1 -> 1.7-1.9 µs a plan on the development machine, where the
-H200 host's serving loop spent 25-46 µs planning each of the demo pair's plain steps
-(twenty-seventh session). Lossless either way: the budget only says how many drafts are
+A plan the cost bound settles (verify every draft whatever the confidences: the common step
+at low load; also with the learned trim penalty, where trims save nothing), or a searched
+verify-all clear of the guard, stands for the next SETTLED_PLANS - 1 plans of its requests
+and sampling mode with at most its draft fills and no prefill chunk (a searched verify-all
+near the guard: as long as the planner's own standing plan would). Those verify every draft
+without re-reading the terms (at most SETTLED_PLANS - 1 plans old: a fenced mean of 15 steps
+moves little), the bound or the confidences; on a routine step (no decision or probe due)
+they take one short path, as do plain steps while drafting is off. Small host-bound pairs
+spent 3.5-7% of a 0.5-1.8 ms step planning (26-68 µs a plan in the H200 host's serving
+loop, twenty-fifth session), most of it on such steps; 1.5-2.5% at c = 1-16 after these
+paths (thirty-fourth session). Lossless either way: a budget only says how many drafts are
 verified.
 """
-
 from __future__ import annotations
 
 import time
@@ -63,6 +57,7 @@ class StepPlanning:
     _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
     _conf_marked = 0  # the newest copy generation a first drafting step was marked with
     _rate_memo: tuple | None = None  # (key, rate, plan count it stands until): _opportunity_rate
+    _counted = False  # the step planned now had its decision's bookkeeping done by routine()
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -87,7 +82,11 @@ class StepPlanning:
             elif (not total and greedy == self.fixed_costs.greedy
                   and drafting.routine(n, self._online_cost)):
                 return self._plan_idle(n, greedy, context, t0)
-        decide = lagged and self.drafting.due(n)  # (every few steps, or the batch size moved)
+        # a step with prefill chunks on a routine step: the decision's bookkeeping at once
+        # (DraftingDecision.routine; _after_budget then skips after_plan), its plan as usual
+        self._counted = lagged and other > 0 and self.drafting.routine(n, self._online_cost)
+        decide = lagged and not self._counted and self.drafting.due(n)  # (every few steps,
+        # or the batch size moved)
         standing = lagged and not decide and other == 0 and self._stands(n, total, greedy)
         # nothing to verify and no decision due (every step while drafting is off): no budget
         # to search (_plan returns 0 at once), so the terms are not applied; the next plan
@@ -304,8 +303,11 @@ class StepPlanning:
             budget = room
         self.last_budget = budget
         self._step_trimmed = 0 <= budget < total  # (step_tag: a trimmed step's own term)
-        self.draft_enabled, probe = self.drafting.after_plan(
-            decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
+        if self._counted:  # (routine: after_plan's answer, its effects made)
+            self.draft_enabled, probe = self.drafting.pays, not self.drafting.pays
+        else:
+            self.draft_enabled, probe = self.drafting.after_plan(
+                decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
         self.probing = probe and n > PROBE_ROWS
         return budget
