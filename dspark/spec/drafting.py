@@ -145,8 +145,7 @@ class DraftingDecision:
     def due(self, num_reqs: int) -> bool:
         """Whether this step decides again (call once per planned step)."""
         self._since_decision += 1
-        change = abs(num_reqs - self._decided_reqs)
-        moved = change * 4 > num_reqs and change >= _MOVED_MIN
+        moved = self._moved(num_reqs)
         if moved:  # (a forced decision: not a routine one, which may space the next)
             self._probe_spacing, self._forced = 1, True
         if moved or self._forced or self.survival is None:
@@ -171,13 +170,18 @@ class DraftingDecision:
                 return False
         elif (self._skipped + 1) % (_PROBE_EVERY * self._probe_spacing) == 0:
             return False  # (a draft probe is due)
-        change = abs(num_reqs - self._decided_reqs)
-        if change * 4 > num_reqs and change >= _MOVED_MIN:
-            return False
+        if self._moved(num_reqs):
+            return False  # (a forced decision is due)
         self._since_decision += 1
         self._plans += 1
         self._skipped = 0 if self.pays else self._skipped + 1
         return True
+
+    def _moved(self, num_reqs: int) -> bool:
+        """The batch size moved by a quarter, and by _MOVED_MIN requests at least, since the
+        last decision (which forces the next)."""
+        change = abs(num_reqs - self._decided_reqs)
+        return change * 4 > num_reqs and change >= _MOVED_MIN
 
     def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
         """Fold the rows with drafts' stale confidences into the sampling mode's survival

@@ -15,6 +15,7 @@ loop, twenty-fifth session), most of it on such steps; 1.5-2.5% at c = 1-16 afte
 paths (thirty-fourth session). Lossless either way: a budget only says how many drafts are
 verified.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,7 +58,6 @@ class StepPlanning:
     _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
     _conf_marked = 0  # the newest copy generation a first drafting step was marked with
     _rate_memo: tuple | None = None  # (key, rate, plan count it stands until): _opportunity_rate
-    _counted = False  # the step planned now had its decision's bookkeeping done by routine()
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -75,18 +75,17 @@ class StepPlanning:
         if lagged and not other:  # (the routine plans' short paths: _plan_standing, _plan_idle)
             drafting = self.drafting
             if drafting.pays:
-                s = self._settled.get((n, greedy))  # (_stands, inline)
-                if (s is not None and self._plans_counted < s[0] and total <= s[1]
-                        and not self._unmarked_slots and drafting.routine(n, self._online_cost)):
+                if (not self._unmarked_slots and self._stands(n, total, greedy)
+                        and drafting.routine(n, self._online_cost)):
                     return self._plan_standing(total, context, t0)
             elif (not total and greedy == self.fixed_costs.greedy
                   and drafting.routine(n, self._online_cost)):
                 return self._plan_idle(n, greedy, context, t0)
         # a step with prefill chunks on a routine step: the decision's bookkeeping at once
         # (DraftingDecision.routine; _after_budget then skips after_plan), its plan as usual
-        self._counted = lagged and other > 0 and self.drafting.routine(n, self._online_cost)
-        decide = lagged and not self._counted and self.drafting.due(n)  # (every few steps,
-        # or the batch size moved)
+        counted = lagged and other > 0 and self.drafting.routine(n, self._online_cost)
+        decide = lagged and not counted and self.drafting.due(n)  # (every few steps, or the
+        # batch size moved)
         standing = lagged and not decide and other == 0 and self._stands(n, total, greedy)
         # nothing to verify and no decision due (every step while drafting is off): no budget
         # to search (_plan returns 0 at once), so the terms are not applied; the next plan
@@ -103,7 +102,7 @@ class StepPlanning:
             self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
         elif lagged:
             searches = self.planner.searches
-            budget = self._plan(host, n, total, other, n_sampling, decide, greedy)
+            budget = self._plan(host, n, total, other, n_sampling, decide, greedy, counted)
             part = ("decision" if decide
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
             self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
@@ -119,7 +118,7 @@ class StepPlanning:
         plan() and _after_budget do for it, in one call. In the H200 host's serving loop
         such plans took 27-29 µs each at c = 16 on the trained pair (thirty-second session),
         ~2% of a 1.3 ms step, against fixed K's ~6 µs: their cost is the objects and methods
-        a plan touches with the caches cold, not its arithmetic (20-23 -> 15-18 µs cold on
+        a plan touches with the caches cold, not its arithmetic (20-23 -> 15-19 µs cold on
         the development machine; in situ, with the thirty-third session's cuts, "other"
         plans at c = 16 took 17-18 µs, thirty-fourth session)."""
         if self.cost is not None:
@@ -171,7 +170,7 @@ class StepPlanning:
             self.planner.invalidate_tables(keep_plans=not priced)
 
     def _plan(self, host, n: int, total: int, other: int, n_sampling: int, decide: bool,
-              greedy: bool) -> int:  # fmt: skip
+              greedy: bool, counted: bool = False) -> int:  # fmt: skip
         before = self._settled.pop((n, greedy), None)  # (the last settled plan, if any)
         budget = 0
         if total > 0 and not decide and not other and self.planner.bound_settles(n, total):
@@ -229,7 +228,7 @@ class StepPlanning:
                 rows_drafting = caps.nonzero()[0]  # (caps is 1-D: flatnonzero, no wrappers)
                 self._prediction = self.drafting.survey(
                     rows_drafting, stale[rows_drafting], self.fixed_costs.greedy)
-        return self._after_budget(budget, total, decide, n, n_sampling, other)
+        return self._after_budget(budget, total, decide, n, n_sampling, other, counted)
 
     def _opportunity_rate(self, n_sampling: int) -> float:
         """Tokens/ms the best decode-only step of `n_sampling` requests would earn (what a
@@ -293,9 +292,10 @@ class StepPlanning:
         return True
 
     def _after_budget(self, budget: int, total: int, decide: bool, n: int, n_sampling: int,
-                      other: int) -> int:  # fmt: skip
+                      other: int, counted: bool = False) -> int:  # fmt: skip
         """Record the step's budget (within the step's draft room) and ask the drafting
-        decision whether it drafts."""
+        decision whether it drafts (`counted`: routine() already made that plan's
+        bookkeeping)."""
         if other > 0 and total > 0:  # the share the scheduler charges from now on: the wish
             self.draft_share = budget / total  # (uncapped: a share can grow back)
         room = self._draft_room
@@ -303,7 +303,7 @@ class StepPlanning:
             budget = room
         self.last_budget = budget
         self._step_trimmed = 0 <= budget < total  # (step_tag: a trimmed step's own term)
-        if self._counted:  # (routine: after_plan's answer, its effects made)
+        if counted:  # (DraftingDecision.routine made after_plan's effects: its answer)
             self.draft_enabled, probe = self.drafting.pays, not self.drafting.pays
         else:
             self.draft_enabled, probe = self.drafting.after_plan(
