@@ -161,10 +161,18 @@ class DraftingDecision:
         would return False and after_plan(False, ...) (pays, not pays), no draft or plain
         probe starting. Then both methods' effects are made here and it returns True; else
         nothing changes and the caller takes due / after_plan (the short paths of a standing
-        plan while drafting and of a plain step while not: step_planning.py)."""
-        if (self._forced or self._plain_probe_left or self.survival is None
-                or self._since_decision + 1 >= _DECIDE_EVERY * self._decide_spacing):
-            return False  # (a decision may be due, or a plain probe runs)
+        plan while drafting and of a plain step while not: step_planning.py). A plan waiting
+        out DECIDE_MIN_S after its _DECIDE_EVERY steps is routine too: with ~1 ms steps,
+        most plans between two decisions wait on the clock (up to ~60% of them at c = 16 on
+        the trained pair, by that arithmetic; they took the full path until the thirty-fifth
+        session)."""
+        if self._forced or self._plain_probe_left or self.survival is None:
+            return False  # (a decision is due, or a plain probe runs)
+        spacing = self._decide_spacing
+        if self._since_decision + 1 >= _DECIDE_EVERY * spacing and (
+                self._min_interval_s <= 0
+                or self._clock() - self._decided_at >= self._min_interval_s * spacing):
+            return False  # (a routine decision is due: due()'s own test)
         if self.pays:  # (a plain probe may be due)
             if online and self._plain_may_win and self.plain_probes and self.enabled:
                 return False

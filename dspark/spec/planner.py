@@ -154,6 +154,19 @@ class Planner:
         self.last_decision = d
         return d.budget
 
+    def take_standing(self, num_reqs: int, num_other_tokens: int, total: int,
+                      num_sampling_reqs: int, opportunity_rate: float) -> int | None:  # fmt: skip
+        """A step with prefill chunks: the budget of the plan standing for its shape (what
+        plan_cpu returns when one stands, no inputs read), or None (then plan_cpu plans it)."""
+        group = StandingPlans.group(num_reqs, num_other_tokens, 0.0, num_sampling_reqs == num_reqs)
+        self._last_group = group
+        d = self.standing.take(group, lambda: self._context(num_reqs, num_other_tokens, total)[0],
+                               total, opportunity_rate)  # fmt: skip
+        if d is None:
+            return None
+        self.last_decision, self.last_settled = d, False
+        return d.budget
+
     def _search_small(self, stale_conf, caps: np.ndarray, small: tuple, num_sampling_reqs: int,
                       trim_penalty_ms: float, opportunity_rate: float | None,
                       survival_scale: float) -> BudgetDecision:  # fmt: skip

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.spec.drafting import DraftingDecision
+from dspark.spec.drafting import _PROBE_EVERY, DraftingDecision
 from dspark.spec.online_cost import fixed_costs_by_mode
+from dspark.spec.plan_reuse import BudgetDecision, StandingPlans, nearby_rows
 from dspark.testing.drafters import make_tiny_drafter
 from tests.unit.test_adaptive_engine import _table
 
@@ -47,10 +48,10 @@ def _random_decision(rng: np.random.Generator) -> DraftingDecision:
     d._plain_probe_left = int(rng.choice([0, 0, 0, 1, 5]))
     if rng.random() < 0.9:
         d.survival = d._survival[True] = np.sort(rng.random(6))[::-1].copy()
-    d._since_decision = int(rng.integers(0, 20))
     d._decide_spacing = int(rng.choice([1, 2, 4, 8]))
+    d._since_decision = int(rng.integers(0, 8 * d._decide_spacing + 8))  # (due at 8x spacing)
     d._decided_reqs = int(rng.integers(0, 40))
-    d._decided_at = now - float(rng.choice([0.001, 0.05, 1.0]))
+    d._decided_at = now - float(rng.choice([rng.uniform(0.0, 0.05), 1.0]))
     d._plain_may_win = bool(rng.random() < 0.5)
     d._skipped = int(rng.choice([rng.integers(0, 100), 63, 127]))  # (a draft probe next, or not)
     d._probe_spacing = int(rng.choice([1, 2]))
@@ -65,7 +66,7 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
     (True, False), and the state is what those two calls leave; where it answers False it
     leaves the state as it was. Random states, both answers exercised."""
     rng, fixed = np.random.default_rng(0), fixed_costs_by_mode()[True]
-    answers = {True: 0, False: 0}
+    answers = {True: 0, False: 0, "waiting": 0}  # (waiting: routine, DECIDE_MIN_S not out)
     for _ in range(3000):
         d = _random_decision(rng)
         # (mostly near the batch size decided at: a move by a quarter forces a decision)
@@ -75,6 +76,7 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
         fast, full = copy.deepcopy(d), copy.deepcopy(d)
         routine = fast.routine(n, online)
         answers[routine] += 1
+        answers["waiting"] += routine and d._since_decision + 1 >= 8 * d._decide_spacing
         if routine:
             assert not full.due(n)
             after = full.after_plan(False, None, fixed, online, n, n, 0)
@@ -82,17 +84,30 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
             assert _state(fast) == _state(full)
         else:
             assert _state(fast) == _state(d)
-    assert min(answers.values()) > 300, answers
+            if not full.due(n):  # (not routine though no decision is due: a probe runs or
+                # may start; nothing else, the clock included, makes a plan non-routine)
+                plain_probe = online and d._plain_may_win and d.plain_probes and d.enabled
+                draft_probe = (d._skipped + 1) % (_PROBE_EVERY * d._probe_spacing) == 0
+                assert d._plain_probe_left or (plain_probe if d.pays else draft_probe)
+    assert min(answers[True], answers[False]) > 300 and answers["waiting"] > 20, answers
 
 
-def _plans(llm, fast: bool) -> tuple[list, list, dict]:
+def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
     """Generate with the drafting decision's clock out of play; every plan as (budget, kind,
-    drafts, probe, trimmed, the settled plans standing), the outputs, and counters (routine
-    plans, decisions, plans counted by part, steps by kind)."""
+    drafts, probe, trimmed, the settled plans standing, the draft share charged), the
+    outputs, and counters (routine plans, decisions, plans of steps with prefill chunks that
+    took their short path, plans counted by part, steps by kind). Prompts of `prompt_len` +
+    2i tokens."""
     spec = llm.engine.runner.spec
     spec.drafting._min_interval_s = 0.0  # (else decisions would depend on the wall clock)
     routine, due, plan, seen = spec.drafting.routine, spec.drafting.due, spec.plan, []
-    counts = {"routine": 0, "decisions": 0}
+    counts = {"routine": 0, "decisions": 0, "chunk_short": 0}
+    chunk_short = spec._plan_chunk_standing
+
+    def counting_chunk_short(*args):
+        budget = chunk_short(*args)
+        counts["chunk_short"] += budget is not None
+        return budget
 
     def counting_routine(n, online):
         ok = fast and routine(n, online)
@@ -107,11 +122,13 @@ def _plans(llm, fast: bool) -> tuple[list, list, dict]:
     def recording(host, *room):
         budget = plan(host, *room)
         seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
-                     spec._step_trimmed, sorted((k, tuple(v)) for k, v in spec._settled.items())))
+                     spec._step_trimmed, sorted((k, tuple(v)) for k, v in spec._settled.items()),
+                     spec.draft_share))  # fmt: skip
         return budget
 
     spec.drafting.routine, spec.drafting.due, spec.plan = counting_routine, counting_due, recording
-    prompts = [list(range(7 + 3 * i, 20 + 5 * i)) for i in range(10)]
+    spec._plan_chunk_standing = counting_chunk_short
+    prompts = [[(7 + 3 * i + j) % 200 for j in range(prompt_len + 2 * i)] for i in range(10)]
     params = [SamplingParams(temperature=0.0, max_tokens=18 + 4 * i, ignore_eos=True)
               for i in range(10)]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -182,3 +199,78 @@ def test_a_routine_plain_step_keeps_a_standing_settled_plan_and_drops_an_expired
                          d._since_decision))  # fmt: skip
         assert seen[0] == seen[1]
         assert ((n, True) in seen[0][3]) is not expired and seen[0][:3] == (0, "plain", False)
+
+
+@pytest.mark.parametrize("ms_per_token", [0.001, 0.1])
+def test_chunk_plans_standing_equal_the_full_path(tiny_qwen, drafter, tmp_path, ms_per_token):
+    """Prompts of 120-138 tokens arriving in chunks of a 48-token budget beside decoding
+    rows, four requests at a time: the steps with prefill chunks that take their short path
+    (a plan standing in the planner, the opportunity rate memoized, the terms not applied)
+    plan what the full path plans, and everything after is the same. Tokens cheap (the
+    chunk bound settles, and that plan stands) and dear (searched plans stand)."""
+    path = _table(tmp_path, "chunks", weight_read_ms=1.0, ms_per_token=ms_per_token,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+            "cost_table_path": path}  # fmt: skip
+    runs = [_plans(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=48, max_num_seqs=4,
+                       speculative_config=spec), fast, prompt_len=120)
+            for fast in (False, True)]  # fmt: skip
+    (full, full_out, full_counts), (fast, fast_out, fast_counts) = runs
+    assert fast_out == full_out
+    assert fast == full
+    for key in ("decisions", "parts", "kinds"):
+        assert fast_counts[key] == full_counts[key]
+    assert full_counts["chunk_short"] == 0
+    mixed = sum(fast_counts["kinds"].get(k, 0) for k in ("mixed", "mixed_verify"))
+    assert fast_counts["chunk_short"] >= mixed // 4, fast_counts
+    if ms_per_token > 0.01:  # (searched, trimmed plans beside chunks)
+        assert fast_counts["parts"]["search"] > 0
+        assert any(p[4] and p[0] > 0 for p in fast if p[1] == "mixed"), fast
+
+
+def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, drafter, tmp_path):
+    """A step with prefill chunks on which a trimmed plan stands, planned after state another
+    plan left (not trimmed, another draft share charged), within a draft room below the
+    plan's budget: the short path and the full path return and leave the same."""
+    path = _table(tmp_path, "chunks", weight_read_ms=1.0, ms_per_token=0.1,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    spec_cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+                "cost_table_path": path}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=48, max_num_seqs=4,
+              speculative_config=spec_cfg)  # fmt: skip
+    spec, hosts, plan = llm.engine.runner.spec, [], llm.engine.runner.spec.plan
+    spec.plan = lambda host, *room: hosts.append((host, host.plan_scalars())) or plan(host, *room)
+    llm.generate([{"prompt_token_ids": [(5 + i + j) % 200 for j in range(120)]}
+                  for i in range(6)],
+                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))  # fmt: skip
+    spec.plan = plan
+    host, (n, total, other, n_sampling, greedy, _) = next(
+        (h, s) for h, s in reversed(hosts) if s[2] > 0 and s[1] >= 10)
+    assert host.plan_scalars()[:3] == (n, total, other)  # (its packed scalars still hold)
+    d, routine, chunk_short = spec.drafting, spec.drafting.routine, spec._plan_chunk_standing
+    assert d.pays and d.survival is not None
+    group = StandingPlans.group(n, other, 0.0, n_sampling == n)
+    standing = BudgetDecision(total // 2, total, 1.0, 0.9, 0.1, True)
+    taken, seen = [], []
+    spec.cost._context_slope = 1e-4  # (a table that prices the context read)
+    spec._plan_chunk_standing = lambda *a: taken.append(chunk_short(*a)) or taken[-1]
+    for fast in (True, False):
+        d.routine = routine if fast else (lambda num_reqs, online: False)
+        d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
+        d._plain_may_win, d._min_interval_s = False, 0.0
+        spec.fixed_costs = spec._fixed_by_mode[greedy]
+        key = (nearby_rows(n_sampling), greedy, d.updates)
+        spec._rate_memo = (key, 2.0, spec._plans_counted + 5)
+        spec.planner.standing.clear()
+        spec.planner.standing._plans[group] = [3, standing, 2.0]
+        spec.draft_share, spec._step_trimmed, spec.last_budget = 0.123, False, -1
+        spec.cost.set_step_context(0)
+        budget = spec.plan(host, total // 3)
+        seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
+                     spec._step_trimmed, spec.draft_share, spec.last_budget,
+                     spec.planner.standing._plans[group][0], d._since_decision,
+                     spec.cost.step_context_ms))  # fmt: skip
+    assert taken == [total // 3]  # (the fast run took the short path; the full run did not)
+    assert seen[0] == seen[1]
+    assert seen[0][:7] == (total // 3, "mixed", True, False, True, 0.5, total // 3)
+    assert seen[0][-1] > 0  # (the step's context read priced, as step_tag reads it)
