@@ -65,7 +65,7 @@ class SpecDecoder(StepPlanning):
         # never the newest queued: it holds the drafts the planned step verifies)
         self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
         # per slot, the copy generation from which the landed confidences are its current
-        # request's (step_planning.slot_assigned: a reused slot holds the last request's)
+        # request's (stale_confidences.slot_assigned: a reused slot holds the last request's)
         self._conf_from = np.zeros(slots, dtype=np.int64)
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile

@@ -8,25 +8,25 @@ verify-all clear of the guard, stands for the next SETTLED_PLANS - 1 plans of it
 and sampling mode with at most its draft fills and no prefill chunk (a searched verify-all
 near the guard: as long as the planner's own standing plan would). Those verify every draft
 without re-reading the terms (at most SETTLED_PLANS - 1 plans old: a fenced mean of 15 steps
-moves little), the bound or the confidences; on a routine step (no decision or probe due)
-they take one short path, as do plain steps while drafting is off. Small host-bound pairs
-spent 3.5-7% of a 0.5-1.8 ms step planning (26-68 µs a plan in the H200 host's serving
-loop, twenty-fifth session), most of it on such steps; 1.5-2.5% at c = 1-16 after these
-paths (thirty-fourth session). Lossless either way: a budget only says how many drafts are
-verified.
+moves little), the bound or the confidences; on a routine step (no decision or probe due,
+the decision's minimum interval included) they take one short path, as do plain steps while
+drafting is off and steps with prefill chunks whose plan stands in the planner. Small
+host-bound pairs spent 3.5-7% of a 0.5-1.8 ms step planning (26-68 µs a plan in the H200
+host's serving loop, twenty-fifth session), most of it on such steps; 1.5-2.5% at c = 1-16
+after these paths (thirty-fourth session). Lossless either way: a budget only says how many
+drafts are verified.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from dspark.spec.drafting import PROBE_ROWS
 from dspark.spec.online_cost import size_bucket
 from dspark.spec.plan_reuse import nearby_rows
 from dspark.spec.planner import REUSE_CLEAR_PLANS
 from dspark.spec.rates import decode_rate
+from dspark.spec.stale_confidences import StaleConfidences
 from dspark.spec.tracing import step_kind
 
 SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of the guard stands
@@ -34,11 +34,9 @@ SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of t
 # UNTRIMMED_PROBE_EVERY observed steps and batch-size bucket
 UNTRIMMED_PROBE_STEPS = 12
 UNTRIMMED_PROBE_EVERY = 512
-NOT_DRAFTED = np.iinfo(np.int64).max  # a slot's request has drafted nothing yet (_conf_from;
-# 0 there: never assigned, its landed rows are the fill)
 
 
-class StepPlanning:
+class StepPlanning(StaleConfidences):
     """Mixin of SpecDecoder: plan (before launch), step_tag / take_prediction (at launch),
     observe_step_time (after commit), and the scheduler-overhead accounting."""
 
@@ -55,9 +53,6 @@ class StepPlanning:
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
-    _conf_from: np.ndarray  # per slot (decoder): see slot_assigned
-    _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
-    _conf_marked = 0  # the newest copy generation a first drafting step was marked with
     _rate_memo: tuple | None = None  # (key, rate, plan count it stands until): _opportunity_rate
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
@@ -351,49 +346,6 @@ class StepPlanning:
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
         self.probing = probe and n > PROBE_ROWS
         return budget
-
-    def _stale(self, slots: np.ndarray) -> np.ndarray:
-        """The rows' confidences from the newest device->host copy that has landed, never
-        waiting for the device, and never the newest one queued: that one holds the
-        confidences of the drafts this step verifies, and a budget that reads them is
-        biased (non-anticipation: planner.py; tests/unit/test_lossless_policies.py). NaN
-        (unknown) where the copy read predates the row's request's first drafts
-        (slot_assigned)."""
-        copies = self.host_confs
-        stale = copies.read(before=copies.newest_generation)[slots]
-        landed = copies.landed_generation
-        if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:
-            unknown = self._conf_from[slots] > landed  # a cold read costs ~15 µs more)
-            if unknown.any():
-                stale[unknown] = np.nan
-        return stale
-
-    def slot_assigned(self, slot: int) -> None:
-        """A request was given `slot`. The landed copies hold the slot's last request's
-        confidences until the copy of this one's first drafts lands, a step later on a GPU
-        (the planner reads without waiting), so until then its row reads as unknown, as a
-        slot never drafted does. Before, a new request's first plan read another request's
-        confidences, and at a level's start, where most rows are new, the decision's
-        acceptance check compared one batch's predictions with another's drafts: a likely
-        cause, not confirmed, of drafting turning off on an acceptance ratio of 0.52 at a
-        level's start (H200, trained pair, T = 0, 1.06 at the level's end; thirty-second
-        session)."""
-        if self._policy == "lagged" and self._conf_from[slot] != NOT_DRAFTED:
-            self._conf_from[slot] = NOT_DRAFTED  # (once: a request gone before it drafted
-            self._unmarked_slots += 1  # left it so)
-
-    def _mark_first_drafts(self, host) -> None:
-        """This step drafts: its sampling rows (a probe's first PROBE_ROWS) whose requests
-        had not drafted in their slot get their confidences in the copy it queues."""
-        rows = host.per_row()  # samples row 0, request slots row 4
-        samples, slots = rows[0], rows[4]
-        if self.probing:
-            samples, slots = samples[:PROBE_ROWS], slots[:PROBE_ROWS]
-        drafting = slots[samples != 0]
-        first = drafting[self._conf_from[drafting] == NOT_DRAFTED]
-        if first.size:
-            self._conf_from[first] = self._conf_marked = self.host_confs.next_generation
-            self._unmarked_slots -= first.size
 
     def step_tag(self) -> tuple[str, float, bool] | None:
         """What the online cost model needs of the step just launched, read at launch (with

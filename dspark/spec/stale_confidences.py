@@ -1,0 +1,63 @@
+"""The lagged policy's reads of stale confidences (StepPlanning's mixin): a plan reads the
+newest device->host copy of the drafts' confidences that has landed, never waiting, and a
+slot's row reads as unknown until its current request's first drafts have landed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dspark.spec.drafting import PROBE_ROWS
+
+NOT_DRAFTED = np.iinfo(np.int64).max  # a slot's request has drafted nothing yet (_conf_from;
+# 0 there: never assigned, its landed rows are the fill)
+
+
+class StaleConfidences:
+    """Mixin of StepPlanning (SpecDecoder): _stale, slot_assigned, _mark_first_drafts."""
+
+    _conf_from: np.ndarray  # per slot (decoder): see slot_assigned
+    _unmarked_slots = 0  # slots assigned whose request's first drafting step is not planned
+    _conf_marked = 0  # the newest copy generation a first drafting step was marked with
+
+    def _stale(self, slots: np.ndarray) -> np.ndarray:
+        """The rows' confidences from the newest device->host copy that has landed, never
+        waiting for the device, and never the newest one queued: that one holds the
+        confidences of the drafts this step verifies, and a budget that reads them is
+        biased (non-anticipation: planner.py; tests/unit/test_lossless_policies.py). NaN
+        (unknown) where the copy read predates the row's request's first drafts
+        (slot_assigned)."""
+        copies = self.host_confs
+        stale = copies.read(before=copies.newest_generation)[slots]
+        landed = copies.landed_generation
+        if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:
+            unknown = self._conf_from[slots] > landed  # a cold read costs ~15 µs more)
+            if unknown.any():
+                stale[unknown] = np.nan
+        return stale
+
+    def slot_assigned(self, slot: int) -> None:
+        """A request was given `slot`. The landed copies hold the slot's last request's
+        confidences until the copy of this one's first drafts lands, a step later on a GPU
+        (the planner reads without waiting), so until then its row reads as unknown, as a
+        slot never drafted does. Before, a new request's first plan read another request's
+        confidences, and at a level's start, where most rows are new, the decision's
+        acceptance check compared one batch's predictions with another's drafts: a likely
+        cause, not confirmed, of drafting turning off on an acceptance ratio of 0.52 at a
+        level's start (H200, trained pair, T = 0, 1.06 at the level's end; thirty-second
+        session)."""
+        if self._policy == "lagged" and self._conf_from[slot] != NOT_DRAFTED:
+            self._conf_from[slot] = NOT_DRAFTED  # (once: a request gone before it drafted
+            self._unmarked_slots += 1  # left it so)
+
+    def _mark_first_drafts(self, host) -> None:
+        """This step drafts: its sampling rows (a probe's first PROBE_ROWS) whose requests
+        had not drafted in their slot get their confidences in the copy it queues."""
+        rows = host.per_row()  # samples row 0, request slots row 4
+        samples, slots = rows[0], rows[4]
+        if self.probing:
+            samples, slots = samples[:PROBE_ROWS], slots[:PROBE_ROWS]
+        drafting = slots[samples != 0]
+        first = drafting[self._conf_from[drafting] == NOT_DRAFTED]
+        if first.size:
+            self._conf_from[first] = self._conf_marked = self.host_confs.next_generation
+            self._unmarked_slots -= first.size
