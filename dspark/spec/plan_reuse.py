@@ -103,6 +103,9 @@ class StandingPlans:
         self.clear_plans, self.trimmed_plans, self.guard = clear_plans, trimmed_plans, guard
         # group -> [plans it still stands for, decision, the opportunity rate it was searched at]
         self._plans: dict[tuple, list] = {}
+        # why the last take found none: no plan for the group (new), its plans used up
+        # (spent), or the opportunity rate moved (rate); the step log names it for a search
+        self.miss = "new"
 
     @staticmethod
     def group(num_reqs: int, num_other_tokens: int, trim_penalty_ms: float,
@@ -115,6 +118,8 @@ class StandingPlans:
         `rate` (counted as used), or None when none stands. `cand`: as for `rescaled`."""
         standing = self._plans.get(group)
         if standing is None or standing[0] <= 0 or not near_rate(rate, standing[2]):
+            self.miss = ("new" if standing is None else "spent" if standing[0] <= 0
+                         else "rate")  # fmt: skip
             return None
         standing[0] -= 1
         d = standing[1]

@@ -106,7 +106,9 @@ class StepPlanning(StaleConfidences):
             budget = self._plan(host, n, total, other, n_sampling, decide, greedy, counted)
             part = ("decision" if decide
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
-            self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3)
+            # (the step log names why a search ran: search:new / spent / rate, plan_reuse.py)
+            detail = f"search:{self.planner.standing.miss}" if part == "search" else None
+            self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3, detail)
         return self._count_step(host, budget, total, other)
 
     def _count_step(self, host, budget: int | None, total: int, other: int) -> int | None:

@@ -63,10 +63,11 @@ class Overhead:
         self.alloc_ms = 0.0
         self._spans: list = []  # DeviceSpan / host ms of allocations not yet added
 
-    def add_plan(self, part: str, ms: float) -> None:
+    def add_plan(self, part: str, ms: float, detail: str | None = None) -> None:
+        """`detail`: what the step log names the plan (default: its part)."""
         self.plan_ms[part] += ms
         self.plans[part] += 1
-        self.last_part = part
+        self.last_part = detail or part
 
     @staticmethod
     def alloc_timer(device: torch.device) -> Timer:

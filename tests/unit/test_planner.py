@@ -612,7 +612,7 @@ def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates()
     # (rates either side of where fixed 5% groups split them, int(20 ln r): 9.97 | 9.98)
     assert near_rate(9.98, 9.97) and near_rate(9.97, 9.98)
     steep = CostModel.from_measurements([1, 512], [1.0, 64.0])
-    p = Planner("lagged", steep, reuse_trimmed_plans=4, reuse_clear_plans=4)
+    p = Planner("lagged", steep, reuse_trimmed_plans=8, reuse_clear_plans=8)
     caps = np.full(8, 3)
     weak = np.full((8, 3), 0.3)
     reads = []
@@ -623,13 +623,16 @@ def test_plans_of_steps_with_prefill_chunks_stand_for_similar_chunks_and_rates()
            for n, r in ((300, 1.93), (400, 1.93), (500, 2.02), (300, 1.84))]
     assert got == [want.budget] * 4 and len(reads) == 1  # one search, three reuses
     p.plan_cpu(stale(weak), caps, 600, 8, opportunity_rate=1.93)  # 513-1024: another group
-    assert len(reads) == 2
+    assert len(reads) == 2 and p.standing.miss == "new"  # (why it searched: the step log)
     p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.05)  # 6% above the searched 1.93
-    assert len(reads) == 3
+    assert len(reads) == 3 and p.standing.miss == "rate"
     p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.14)  # within 5% of 2.05, now
     assert len(reads) == 3
+    for _ in range(7):  # (the 2.05 search stands for 7 plans: one used above)
+        p.plan_cpu(stale(weak), caps, 300, 8, opportunity_rate=2.05)
+    assert len(reads) == 4 and p.standing.miss == "spent"
     p.plan_cpu(stale(weak), caps, 0, 8)  # no prefill chunk: its own shape
-    assert len(reads) == 4
+    assert len(reads) == 5
 
 
 def test_a_standing_plan_of_a_step_with_prefill_chunks_builds_no_context_for_its_chunk():

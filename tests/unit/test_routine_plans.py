@@ -94,10 +94,10 @@ def test_routine_has_exactly_the_effects_of_due_and_after_plan():
 
 def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
     """Generate with the drafting decision's clock out of play; every plan as (budget, kind,
-    drafts, probe, trimmed, the settled plans standing, the draft share charged), the
-    outputs, and counters (routine plans, decisions, plans of steps with prefill chunks that
-    took their short path, plans counted by part, steps by kind). Prompts of `prompt_len` +
-    2i tokens."""
+    drafts, probe, trimmed, the settled plans standing, the draft share charged, the part
+    the step log names), the outputs, and counters (routine plans, decisions, plans of steps
+    with prefill chunks that took their short path, plans counted by part, steps by kind).
+    Prompts of `prompt_len` + 2i tokens."""
     spec = llm.engine.runner.spec
     spec.drafting._min_interval_s = 0.0  # (else decisions would depend on the wall clock)
     routine, due, plan, seen = spec.drafting.routine, spec.drafting.due, spec.plan, []
@@ -123,7 +123,7 @@ def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
         budget = plan(host, *room)
         seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
                      spec._step_trimmed, sorted((k, tuple(v)) for k, v in spec._settled.items()),
-                     spec.draft_share))  # fmt: skip
+                     spec.draft_share, spec.overhead.last_part))  # fmt: skip
         return budget
 
     spec.drafting.routine, spec.drafting.due, spec.plan = counting_routine, counting_due, recording
@@ -223,8 +223,10 @@ def test_chunk_plans_standing_equal_the_full_path(tiny_qwen, drafter, tmp_path, 
     assert full_counts["chunk_short"] == 0
     mixed = sum(fast_counts["kinds"].get(k, 0) for k in ("mixed", "mixed_verify"))
     assert fast_counts["chunk_short"] >= mixed // 4, fast_counts
-    if ms_per_token > 0.01:  # (searched, trimmed plans beside chunks)
-        assert fast_counts["parts"]["search"] > 0
+    if ms_per_token > 0.01:  # (searched, trimmed plans beside chunks; the step log says why)
+        searches = [p[-1] for p in fast if p[-1].startswith("search")]
+        assert len(searches) == fast_counts["parts"]["search"] > 0
+        assert set(searches) <= {"search:new", "search:spent", "search:rate"}, searches
         assert any(p[4] and p[0] > 0 for p in fast if p[1] == "mixed"), fast
 
 
