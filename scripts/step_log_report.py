@@ -9,7 +9,8 @@ decodes plainly at every size), so this lines steps up by shape:
     (bins of 256), where every arm has them: mean busy ms, and each arm's mean difference;
   * steps at the full token budget (compute-bound prefill): mean busy ms;
   * the lagged plans' parts (decision / search / other) by kind of step, where the log has
-    them (a seventh field since the thirty-fourth session);
+    them (a seventh field since the thirty-fourth session; since the thirty-fifth a search
+    says why it ran: search:new / search:spent / search:rate, plan_reuse.StandingPlans.miss);
   * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
     whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
     draft slots charged but not verified), priced at those steps' own ms per token.
