@@ -149,8 +149,9 @@ class StepPlanning(StaleConfidences):
         (the memoized rate was priced on terms at most SETTLED_PLANS plans old, and the next
         plan that reads them applies them first: a standing plan reads none) or gathering
         the search's inputs; None: the full path plans it. At c = 64 on the H200 such steps
-        were ~29% of the plans (trained pair, thirty-fifth session), ~94 against ~39 µs a
-        decode plan cold on the development machine."""
+        were ~29% of the plans (trained pair, thirty-fifth session). Cold, development
+        machine, one step replanned: 22-105 µs against 34-145 on the full path, paired runs
+        on a noisy machine (plan_cost.py's mixed plan: 76-113 -> 63-69 µs at 1 request)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
             return None
