@@ -108,6 +108,8 @@ def serve(args, spec, port, log_path):
         cmd += ["--no-engine-process"]
     log = open(log_path, "w")
     kw = pinned(args, engine=True)
+    if spec is not None and "cost_table_path" not in spec:  # (the table it profiles, kept)
+        kw["env"] = dict(kw.get("env", os.environ), DSPARK_COST_TABLE_OUT=f"{log_path}.table.json")
     if os.environ.get("DSPARK_STEP_CLOCK", "0") not in ("0", ""):  # every step, beside the log
         steps = f"{log_path}.steps"  # (appended to by the engine: a new file per server)
         if os.path.exists(steps):

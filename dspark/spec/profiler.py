@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import platform
 import statistics
 import time
@@ -33,6 +34,9 @@ from dspark.spec.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
 
+# a table profiled at start-up is also written to this path (bench_e2e.py: one per server),
+# so that the planning of a served run can be replayed on the CPU against its own table
+COST_TABLE_OUT_ENV = "DSPARK_COST_TABLE_OUT"
 # rows of the context-slope probe (fewer where the KV cache or max_num_seqs is smaller): the
 # load where the context's price decides; 64 rows streamed KV slower (H200, 8B shape: 54.5 ns
 # a token against the ~36 that steps of 128-256 rows over 640 tokens paid, BENCHMARKS.md,
@@ -260,6 +264,10 @@ def install_cost_model(runner) -> None:
             warmup=2 if on_gpu else 1,
         )  # fmt: skip
         status = "profiled at start-up"
+        out = os.environ.get(COST_TABLE_OUT_ENV)
+        if out and runner.tp.rank == 0:  # (planning replayed on the CPU from a served table)
+            cost.to_json(out)
+            status += f", written to {out}"
     if runner.world is not None:  # rank 0's table, so that every rank plans alike
         cost = CostModel.from_dict(runner.world.broadcast_object(
             cost.to_dict() if runner.tp.rank == 0 else None))  # fmt: skip

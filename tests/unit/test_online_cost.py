@@ -312,6 +312,30 @@ def test_profiled_table_prices_the_drafter_the_step_runs(tiny_qwen, drafter):
     assert not cost.greedy_drafts
 
 
+def test_a_table_profiled_at_start_up_is_written_where_the_env_says(tiny_qwen, drafter,
+                                                                     tmp_path, monkeypatch):
+    """DSPARK_COST_TABLE_OUT: the engine's start-up profile is also written there (a served
+    run's planning can then be replayed on the CPU against its own table); a loaded table is
+    not rewritten."""
+    from dspark.spec.cost_model import CostModel
+    from dspark.spec.profiler import COST_TABLE_OUT_ENV
+
+    out = tmp_path / "served_table.json"
+    monkeypatch.setenv(COST_TABLE_OUT_ENV, str(out))
+    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged"}
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, speculative_config=spec)
+    cost, written = llm.engine.runner.spec.cost, CostModel.from_json(str(out))
+    assert np.array_equal(written.verify_tokens, cost.verify_tokens)
+    assert np.array_equal(written.verify_ms, cost.verify_ms) and np.all(cost.verify_ms > 0)
+    assert np.array_equal(written.draft_ms, cost.draft_ms)
+    assert str(out) in llm.engine.runner.spec.metrics()["cost_table_status"]
+    written.to_json(str(tmp_path / "t.json"))
+    out.unlink()
+    LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+        speculative_config=dict(spec, cost_table_path=str(tmp_path / "t.json")))
+    assert not out.exists()
+
+
 def test_a_pause_between_steps_does_not_move_the_learned_term():
     """A served step's period also holds what the driver did between steps (a request's
     arrival, a collection pause): one 20 ms outlier among 1 ms residuals leaves the term at

@@ -151,6 +151,9 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     assert done == sorted(done)
     assert not (tmp_path / "fixed7_t0.json").exists()
     assert not (tmp_path / "serve_fixed7.log").exists()
+    # the adaptive server's start-up cost table is kept beside its log (no-spec has none)
+    assert json.loads((tmp_path / "serve_adaptive7.log.table.json").read_text())["verify"]
+    assert not (tmp_path / "serve_nospec.log.table.json").exists()
     checks = json.loads((tmp_path / "bench_e2e.json").read_text())["checks"]
     assert checks["num_prompts"] == 0 and checks["overhead"] is None
     assert "not checked (--identity-prompts 0)" in proc.stdout
