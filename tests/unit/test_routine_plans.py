@@ -64,7 +64,9 @@ def _random_decision(rng: np.random.Generator) -> DraftingDecision:
 def test_routine_has_exactly_the_effects_of_due_and_after_plan():
     """Where routine() answers True, due() would have said False and after_plan(False, ...)
     (True, False), and the state is what those two calls leave; where it answers False it
-    leaves the state as it was. Random states, both answers exercised."""
+    leaves the state as it was, and either a decision is due or a probe runs or starts (a
+    plan waiting out the decision's minimum interval is routine). Random states, both
+    answers exercised, the waiting ones too."""
     rng, fixed = np.random.default_rng(0), fixed_costs_by_mode()[True]
     answers = {True: 0, False: 0, "waiting": 0}  # (waiting: routine, DECIDE_MIN_S not out)
     for _ in range(3000):
