@@ -67,6 +67,7 @@ class SpecDecoder(StepPlanning):
         # per slot, the copy generation from which the landed confidences are its current
         # request's (stale_confidences.slot_assigned: a reused slot holds the last request's)
         self._conf_from = np.zeros(slots, dtype=np.int64)
+        self._unmarked_slots: set[int] = set()  # (stale_confidences.slot_assigned)
         self.synthetic_rates = None
         if sc.rejection_sample_method == "synthetic":  # benchmarks: known acceptance profile
             rates = torch.tensor(sc.synthetic_acceptance_rates[: self.k], dtype=torch.float32)
