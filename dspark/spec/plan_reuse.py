@@ -18,12 +18,12 @@ Shapes share a standing plan when:
 - their request counts are within ~6% (`nearby_rows`); at c = 256 a request finishes or
   arrives at nearly every step;
 - their prefill chunks are of the same power-of-two size (`nearby_other`);
-- the opportunity rate of a step with prefill chunks is within ~5% of the rate its plan was
-  searched at (`near_rate`). Fixed 5% groups (until the thirty-fourth session) split rates
-  0.1% apart at a group's edge. On the H200 (trained pair, T = 1, c = 64) 372 of 380 steps
-  with prefill chunks searched, ~0.31 ms each, 5.9% of the step time; by inference (the
-  groups were not logged), a rate moving a few % between the rare steps of one chunk-size
-  group crossed an edge at most of them.
+- the opportunity rate of a step with prefill chunks is within `rate_tolerance` of the rate
+  its plan was searched at (`near_rate`; a fixed ~5% until the thirty-sixth session). Fixed
+  5% groups (until the thirty-fourth session) split rates 0.1% apart at a group's edge. On
+  the H200 (trained pair, T = 1, c = 64) 372 of 380 steps with prefill chunks searched, ~0.31
+  ms each, 5.9% of the step time; by inference (the groups were not logged), a rate moving a
+  few % between the rare steps of one chunk-size group crossed an edge at most of them.
 
 The plan is carried over as the same share of the new shape's drafts (`rescaled`). Steps
 with prefill chunks were most of the searches at c = 256 on the H200 (trained pair), ~0.2-0.3
@@ -73,15 +73,38 @@ def nearby_other(num_other_tokens: int) -> int:
     return 1 << (num_other_tokens - 1).bit_length() if num_other_tokens > 0 else 0
 
 
-RATE_TOLERANCE = 0.05  # |ln(rate / searched rate)|: ~5% either side
+RATE_TOLERANCE = 0.05  # |ln(rate / searched rate)|: ~5% either side, at least
+RATE_REGRET = 0.25  # of the guard: what a rate's move may cost a standing plan (rate_tolerance)
 
 
-def near_rate(rate: float | None, searched: float | None) -> bool:
+def near_rate(rate: float | None, searched: float | None,
+              tolerance: float = RATE_TOLERANCE) -> bool:  # fmt: skip
     """Whether a plan searched at opportunity rate `searched` (tokens/ms decoding would earn;
-    None: a step without prefill chunks) stands at `rate`."""
+    None: a step without prefill chunks) stands at `rate` (`tolerance`: rate_tolerance's)."""
     if rate is None or searched is None:
         return rate is searched
-    return abs(math.log(max(rate, 1e-6) / max(searched, 1e-6))) <= RATE_TOLERANCE
+    return abs(math.log(max(rate, 1e-6) / max(searched, 1e-6))) <= tolerance
+
+
+def rate_tolerance(rate: float, spread_ms: float, num_sampling: int, guard: float) -> float:
+    """How far (|ln|) the opportunity rate may move before a plan searched at `rate` is
+    searched again. The objective of a step with prefill chunks is tau(n) - rate * T(n)
+    (budget_search.py). A budget n* searched at rate r, used at r', loses at most
+    |r' - r| * |T(n') - T(n*)| <= |r' - r| * spread_ms against the budget n' a search at r'
+    would pick (both objectives move by the rate times their times: n* was the better one at
+    r), where spread_ms = T(all) - T(0), the most the step's time can move with its budget.
+    So a move of at most a share RATE_REGRET * guard * num_sampling / (r * spread_ms) of the
+    rate costs at most a quarter of the guard's share of the step's sampled tokens, a smaller
+    loss than the guard lets a verify-all near it leave. Where drafts beside the chunk cost
+    little that is a wide band. It is never narrower than RATE_TOLERANCE, the band before
+    this bound, whose loss is then at most 5% of r * spread_ms. On the H200 (trained pair,
+    T = 1, c = 1-64, thirty-sixth session) 149 of 195 searches of steps with prefill chunks
+    ran because the rate had moved past 5%."""
+    worst = rate * max(spread_ms, 0.0)  # tokens a doubling of the rate could cost
+    if worst <= 0.0:
+        return math.inf
+    # (ln(1 + a): a move up by a share a of the rate, and one down by less)
+    return max(RATE_TOLERANCE, math.log1p(RATE_REGRET * guard * max(num_sampling, 1) / worst))
 
 
 def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
@@ -101,7 +124,8 @@ def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
 class StandingPlans:
     def __init__(self, clear_plans: int = 1, trimmed_plans: int = 1, guard: float = 0.04):
         self.clear_plans, self.trimmed_plans, self.guard = clear_plans, trimmed_plans, guard
-        # group -> [plans it still stands for, decision, the opportunity rate it was searched at]
+        # group -> [plans it still stands for, decision, the opportunity rate it was searched
+        # at, how far that rate may move (rate_tolerance)]
         self._plans: dict[tuple, list] = {}
         # why the last take found none: no plan for the group (new), its plans used up
         # (spent), or the opportunity rate moved (rate); the step log names it for a search
@@ -117,7 +141,7 @@ class StandingPlans:
         """The group's standing decision for a shape of `total` drafts at opportunity rate
         `rate` (counted as used), or None when none stands. `cand`: as for `rescaled`."""
         standing = self._plans.get(group)
-        if standing is None or standing[0] <= 0 or not near_rate(rate, standing[2]):
+        if standing is None or standing[0] <= 0 or not near_rate(rate, *standing[2:]):
             self.miss = ("new" if standing is None else "spent" if standing[0] <= 0
                          else "rate")  # fmt: skip
             return None
@@ -133,14 +157,15 @@ class StandingPlans:
             return self.clear_plans
         return min(self.clear_plans, self.trimmed_plans)
 
-    def put(self, group: tuple, d: BudgetDecision, rate: float | None = None) -> None:
+    def put(self, group: tuple, d: BudgetDecision, rate: float | None = None,
+            tolerance: float = RATE_TOLERANCE) -> None:  # fmt: skip
         """A decision searched at opportunity rate `rate`, standing for as many plans as its
-        kind earns."""
+        kind earns, at rates within `tolerance` of it (rate_tolerance)."""
         stands_for = self.plans_for(d)
         if stands_for > 1:
             if len(self._plans) > 4096:
                 self._plans.clear()
-            self._plans[group] = [stands_for - 1, d, rate]
+            self._plans[group] = [stands_for - 1, d, rate, tolerance]
 
     def drop(self, group: tuple | None) -> None:
         self._plans.pop(group, None)

@@ -38,7 +38,13 @@ from dspark.spec.allocation import (
 )
 from dspark.spec.budget_search import best_budget, candidate_budgets, penalties, stale_survivals
 from dspark.spec.cost_model import CostModel
-from dspark.spec.plan_reuse import BudgetDecision, StandingPlans, settled_decision
+from dspark.spec.plan_reuse import (
+    RATE_TOLERANCE,
+    BudgetDecision,
+    StandingPlans,
+    rate_tolerance,
+    settled_decision,
+)
 from dspark.spec.small_search import SMALL_SLOTS, best_budget_small, stale_survivals_small
 
 logger = logging.getLogger(__name__)
@@ -128,12 +134,16 @@ class Planner:
         if d is not None:
             self.last_decision = d
             return d.budget
-        if ctx is None and self._chunk_bound_settles(caps.size, num_other_tokens, total,
-                                                     num_sampling_reqs, opportunity_rate):
-            d = settled_decision(total)
-            self.standing.put(group, d, opportunity_rate)  # (clear of the guard: the longest)
-            self.last_decision, self.last_settled = d, True
-            return total
+        tolerance = RATE_TOLERANCE  # (a plan of a step with prefill chunks: rate_tolerance)
+        if ctx is None:
+            ends = self._ends(caps.size, num_other_tokens, total)
+            tolerance = rate_tolerance(opportunity_rate, ends[1] - ends[0], num_sampling_reqs,
+                                       self.min_predicted_gain)  # fmt: skip
+            if self._chunk_bound_settles(ends, num_sampling_reqs, opportunity_rate):
+                d = settled_decision(total)  # (clear of the guard: stands the longest)
+                self.standing.put(group, d, opportunity_rate, tolerance)
+                self.last_decision, self.last_settled = d, True
+                return total
         self.searches += 1
         cand, variable, _, _, small = ctx or self._context(caps.size, num_other_tokens, total)
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
@@ -150,7 +160,7 @@ class Planner:
                 times = times + penalties(cand, trim_penalty_ms)
             d = best_budget(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                             opportunity_rate)  # fmt: skip
-        self.standing.put(group, d, opportunity_rate)
+        self.standing.put(group, d, opportunity_rate, tolerance)
         self.last_decision = d
         return d.budget
 
@@ -220,7 +230,7 @@ class Planner:
         self.last_decision, self.last_settled = settled, True
         return True
 
-    def _chunk_bound_settles(self, num_reqs: int, other: int, total: int, num_sampling: int,
+    def _chunk_bound_settles(self, ends: tuple[float, float], num_sampling: int,
                              rate: float) -> bool:  # fmt: skip
         """The exact bound of a step with prefill chunks (objective: budget_search.py): a
         budget n gains over verify-all (tau(n) - tau(all)) - rate * (T(n) - T(all)) <= rate *
@@ -233,7 +243,7 @@ class Planner:
         varying from step to step, otherwise start at most such steps: 46 searches in 90 of
         them, ~0.26 ms each in the H200 host's serving loop (trained pair, T = 0, c = 16,
         thirty-first session)."""
-        t0, t_all = self._ends(num_reqs, other, total)
+        t0, t_all = ends  # (_ends: of the step's shape)
         return rate * (t_all - t0) <= self.min_predicted_gain * num_sampling
 
     def _ends(self, num_reqs: int, other: int, total: int) -> tuple[float, float]:
