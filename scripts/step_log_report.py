@@ -10,7 +10,8 @@ decodes plainly at every size), so this lines steps up by shape:
   * steps at the full token budget (compute-bound prefill): mean busy ms;
   * the lagged plans' parts (decision / search / other) by kind of step, where the log has
     them (a seventh field since the thirty-fourth session; since the thirty-fifth a search
-    says why it ran: search:new / search:spent / search:rate, plan_reuse.StandingPlans.miss);
+    says why it ran: search:new / search:spent / search:rate, plan_reuse.StandingPlans.miss),
+    and their mean host µs (an eighth field since the thirty-sixth);
   * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
     whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
     draft slots charged but not verified), priced at those steps' own ms per token.
@@ -45,6 +46,23 @@ def plan_parts(path: str) -> dict[str, dict[str, int]]:
             if len(fields) > 6:
                 parts[fields[0]][fields[6]] = parts[fields[0]].get(fields[6], 0) + 1
     return dict(parts)
+
+
+def plan_us(path: str) -> dict[str, dict[str, float]]:
+    """{kind of step: {plan part: mean host µs}} from a log's eighth field (since the
+    thirty-sixth session; empty: an older log)."""
+    sums: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
+    with open(path) as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 7 and fields[7] != "-":
+                acc = sums[fields[0], fields[6]]
+                acc[0] += float(fields[7])
+                acc[1] += 1
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for (kind, part), (total, n) in sums.items():
+        out[kind][part] = total / n
+    return dict(out)
 
 
 def last_level(steps: list) -> list:
@@ -154,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"{name} plans by kind of step: " + "; ".join(
                 f"{k} " + ", ".join(f"{p} {n}" for p, n in sorted(v.items()))
                 for k, v in sorted(by_kind.items())))  # fmt: skip
+        us = plan_us(path) if not args.last_level else {}
+        if us:
+            parts.append(f"{name} plan µs by kind of step (mean): " + "; ".join(
+                f"{k} " + ", ".join(f"{p} {m:.0f}" for p, m in sorted(v.items()))
+                for k, v in sorted(us.items())))  # fmt: skip
     lines = [ln for name, steps in named.items() for ln in report(name, steps, args.budget)]
     print("\n".join(lines + parts + decode_by_batch(named) + prefill_by_shape(named)))
     return 0

@@ -85,12 +85,14 @@ class StepClock:
         shape = None
         if self.log is not None:  # (host facts, read now: the HostStep is reused)
             reqs, _, prefill, *_ = host.plan_scalars()
-            # the lagged plan's part (decision / search / other: tracing.Overhead); "-" none
+            # the lagged plan's part (decision / search / other: tracing.Overhead) and its
+            # host µs; "-" none
             overhead = getattr(spec, "overhead", None)
-            part = "-" if overhead is None or overhead.last_part is None else overhead.last_part
-            if overhead is not None:
+            part, us = "-", "-"
+            if overhead is not None and overhead.last_part is not None:
+                part, us = overhead.last_part, f"{overhead.last_plan_us:.0f}"
                 overhead.last_part = None
-            shape = (reqs, host.forward_tokens(plan), prefill, part)
+            shape = (reqs, host.forward_tokens(plan), prefill, part, us)
         after = self._event()
         after.record()
         self._pending.append((kind, before, after, shape))
@@ -110,7 +112,7 @@ class StepClock:
                 idle = -1.0  # (the first step, or the engine waited for requests)
             if shape is not None:
                 self.log.write(f"{kind} {shape[0]} {shape[1]} {shape[2]} {busy:.3f} {idle:.3f} "
-                               f"{shape[3]}\n")
+                               f"{shape[3]} {shape[4]}\n")
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{kind: {"steps", "busy_ms", "idle_ms"}} of the steps read so far."""

@@ -60,6 +60,7 @@ class Overhead:
         self.plan_ms = dict.fromkeys(PLAN_PARTS, 0.0)
         self.plans = dict.fromkeys(PLAN_PARTS, 0)
         self.last_part: str | None = None  # the last plan's part (the step log takes it)
+        self.last_plan_us = 0.0  # ... and its host µs
         self.alloc_ms = 0.0
         self._spans: list = []  # DeviceSpan / host ms of allocations not yet added
 
@@ -67,7 +68,7 @@ class Overhead:
         """`detail`: what the step log names the plan (default: its part)."""
         self.plan_ms[part] += ms
         self.plans[part] += 1
-        self.last_part = detail or part
+        self.last_part, self.last_plan_us = detail or part, ms * 1e3
 
     @staticmethod
     def alloc_timer(device: torch.device) -> Timer:

@@ -122,7 +122,8 @@ class ShapedHost:
 def test_the_step_log_writes_each_step_with_its_shape():
     """DSPARK_STEP_CLOCK_LOG: one line per step read, in order, with the requests, the tokens
     the forward ran (a trimmed plan's budget, not the packed slots), the prefill tokens, busy
-    and idle ms (-1: a gap that is not the host's), and the lagged plan's part ("-": none)."""
+    and idle ms (-1: a gap that is not the host's), and the lagged plan's part and host µs
+    ("-": none)."""
     import io
 
     dev, log = FakeDevice(), io.StringIO()
@@ -133,7 +134,8 @@ def test_the_step_log_writes_each_step_with_its_shape():
         dev.now += 1.0
         before = clock.begin()
         dev.work(ms)
-        overhead = SimpleNamespace(last_part="search" if kind == "verify" else None)
+        overhead = SimpleNamespace(last_part="search" if kind == "verify" else None,
+                                   last_plan_us=251.4)
         clock.end(before, host, SimpleNamespace(last_kind=kind, last_verifies=plan != 0,
                                                 overhead=overhead), plan)  # fmt: skip
         assert overhead.last_part is None  # (taken: a later step without a plan logs "-")
@@ -142,9 +144,9 @@ def test_the_step_log_writes_each_step_with_its_shape():
     dev.now += 100.0
     clock.collect()
     assert log.getvalue().splitlines() == [
-        "verify 4 14 0 3.000 -1.000 search",  # the first step: no gap before it
-        "mixed_verify 4 132 100 5.000 0.000 -",  # enqueued behind the first: no idle
-        "plain 6 6 0 2.000 -1.000 -"]  # after the long wait for requests: not counted
+        "verify 4 14 0 3.000 -1.000 search 251",  # the first step: no gap before it
+        "mixed_verify 4 132 100 5.000 0.000 - -",  # enqueued behind the first: no idle
+        "plain 6 6 0 2.000 -1.000 - -"]  # after the long wait for requests: not counted
     assert clock.snapshot()["plain"]["busy_ms"] == 2.0
 
 

@@ -74,3 +74,18 @@ def test_the_plans_parts_are_counted_by_kind_of_step(tmp_path, capsys):
     assert ("adaptive7 plans by kind of step: mixed_verify search 2; plain - 1; verify "
             "decision 1, other 1") in out
     assert "nospec plans by kind" not in out
+    assert slr.plan_us(str(new)) == {}  # (no eighth field: no µs)
+
+
+def test_the_plans_host_us_are_averaged_by_kind_and_part(tmp_path, capsys):
+    """A log with the plan's host µs (eighth field; "-": no plan) reports their mean by kind
+    of step and part."""
+    lines = ["verify 16 128 0 1.000 0.100 other 10", "verify 16 128 0 1.000 0.100 other 20",
+             "mixed_verify 16 300 172 1.5 0.1 search:rate 250", "plain 16 16 0 0.5 0.1 - -"]
+    log = tmp_path / "serve_adaptive7.log.steps"
+    log.write_text("\n".join(lines) + "\n")
+    assert slr.plan_us(str(log)) == {"verify": {"other": 15.0},
+                                     "mixed_verify": {"search:rate": 250.0}}
+    assert slr.main([str(log)]) == 0
+    assert ("adaptive7 plan µs by kind of step (mean): mixed_verify search:rate 250; verify "
+            "other 15") in capsys.readouterr().out
