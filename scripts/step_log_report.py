@@ -37,14 +37,21 @@ def read_steps(path: str) -> list[tuple[str, int, int, int, float, float]]:
     return steps
 
 
-def plan_parts(path: str) -> dict[str, dict[str, int]]:
-    """{kind of step: {plan part: steps}} from a log's seventh field (empty: an older log)."""
-    parts: dict[str, dict[str, int]] = defaultdict(dict)
+def _plan_fields(path: str):
+    """(kind, plan part, plan µs or None) of each line with a seventh field."""
     with open(path) as f:
         for line in f:
             fields = line.split()
             if len(fields) > 6:
-                parts[fields[0]][fields[6]] = parts[fields[0]].get(fields[6], 0) + 1
+                us = fields[7] if len(fields) > 7 and fields[7] != "-" else None
+                yield fields[0], fields[6], None if us is None else float(us)
+
+
+def plan_parts(path: str) -> dict[str, dict[str, int]]:
+    """{kind of step: {plan part: steps}} from a log's seventh field (empty: an older log)."""
+    parts: dict[str, dict[str, int]] = defaultdict(dict)
+    for kind, part, _ in _plan_fields(path):
+        parts[kind][part] = parts[kind].get(part, 0) + 1
     return dict(parts)
 
 
@@ -52,13 +59,11 @@ def plan_us(path: str) -> dict[str, dict[str, float]]:
     """{kind of step: {plan part: mean host µs}} from a log's eighth field (since the
     thirty-sixth session; empty: an older log)."""
     sums: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
-    with open(path) as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 7 and fields[7] != "-":
-                acc = sums[fields[0], fields[6]]
-                acc[0] += float(fields[7])
-                acc[1] += 1
+    for kind, part, us in _plan_fields(path):
+        if us is not None:
+            acc = sums[kind, part]
+            acc[0] += us
+            acc[1] += 1
     out: dict[str, dict[str, float]] = defaultdict(dict)
     for (kind, part), (total, n) in sums.items():
         out[kind][part] = total / n
