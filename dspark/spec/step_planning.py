@@ -53,7 +53,9 @@ class StepPlanning(StaleConfidences):
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
-    _rate_memo: tuple | None = None  # (key, rate, plan count it stands until): _opportunity_rate
+    # ((sampling mode, survival updates), {request-count group: (rate, plan count it stands
+    # until)}): _opportunity_rate's memo
+    _rate_memo: tuple | None = None
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -263,28 +265,33 @@ class StepPlanning(StaleConfidences):
     def _opportunity_rate(self, n_sampling: int) -> float:
         """Tokens/ms the best decode-only step of `n_sampling` requests would earn (what a
         draft beside a prefill chunk must beat: rates.decode_rate), computed afresh only when
-        the survival estimate changed, the sampling mode did, the request count left its
-        group (nearby_rows: within ~6%, as standing plans group them; in serving the exact
-        count moved at nearly every such step), or it is SETTLED_PLANS plans old: a prompt
-        arriving in chunks plans several such steps in a row, and pricing decoding cost 35%
-        of each such plan (16 µs hot, ~70 cold, development machine). Its fixed terms and
-        context read may be that many plans old, as a standing plan's are."""
+        the survival estimate changed, the sampling mode did, its request-count group
+        (nearby_rows: within ~6%, as standing plans group them) has no rate priced in the
+        last SETTLED_PLANS plans: a prompt arriving in chunks plans several such steps in a
+        row, and pricing decoding cost 35% of each such plan (16 µs hot, ~70 cold,
+        development machine). Its fixed terms and context read may be that many plans old,
+        as a standing plan's are. Each group keeps its own rate: in serving the request
+        count moves across group edges and back as requests finish and successors arrive,
+        and with one group memoized 114 of 220 such plans priced afresh (the demo pair at
+        c = 64 with its device work stubbed, development machine)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
             greedy = self.fixed_costs.greedy
             rate = decode_rate(self.cost, self.drafting.estimate(greedy), n_sampling,
                                self.fixed_costs.get("plain", n_sampling))  # fmt: skip
-            key = (nearby_rows(n_sampling), greedy, self.drafting.updates)
-            self._rate_memo = (key, rate, self._plans_counted + self.settled_plans)
+            mode, memo = (greedy, self.drafting.updates), self._rate_memo
+            if memo is None or memo[0] != mode or len(memo[1]) >= 16:
+                memo = self._rate_memo = (mode, {})  # (rates priced under other estimates)
+            memo[1][nearby_rows(n_sampling)] = (rate, self._plans_counted + self.settled_plans)
         return rate
 
     def _memoized_rate(self, n_sampling: int) -> float | None:
         """_opportunity_rate's memo for this request count, or None (priced afresh)."""
         memo = self._rate_memo
-        if memo is None or self._plans_counted >= memo[2] or memo[0] != (
-                nearby_rows(n_sampling), self.fixed_costs.greedy, self.drafting.updates):
+        if memo is None or memo[0] != (self.fixed_costs.greedy, self.drafting.updates):
             return None
-        return memo[1]
+        hit = memo[1].get(nearby_rows(n_sampling))
+        return None if hit is None or self._plans_counted >= hit[1] else hit[0]
 
     def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None,
                near: bool = False) -> None:  # fmt: skip

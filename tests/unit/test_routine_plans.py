@@ -263,8 +263,8 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
         d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
         d._plain_may_win, d._min_interval_s = False, 0.0
         spec.fixed_costs = spec._fixed_by_mode[greedy]
-        key = (nearby_rows(n_sampling), greedy, d.updates)
-        spec._rate_memo = (key, 2.0, spec._plans_counted + 5)
+        spec._rate_memo = ((greedy, d.updates),
+                           {nearby_rows(n_sampling): (2.0, spec._plans_counted + 5)})
         spec.planner.standing.clear()
         spec.planner.standing._plans[group] = [3, standing, 2.0]
         spec.draft_share, spec._step_trimmed, spec.last_budget = 0.123, False, -1
@@ -278,3 +278,29 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
     assert seen[0] == seen[1]
     assert seen[0][:7] == (total // 3, "mixed", True, False, True, 0.5, total // 3)
     assert seen[0][-1] > 0  # (the step's context read priced, as step_tag reads it)
+
+
+def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, drafter, tmp_path):
+    """In serving the request count of steps with prefill chunks crosses group edges and back:
+    each group keeps the rate priced for it (until the survival estimate or the sampling mode
+    changes, or the rate is settled_plans plans old); a count of the same group reads it."""
+    path = _table(tmp_path, "rates", weight_read_ms=1.0, ms_per_token=0.1,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_seqs=4, speculative_config={
+        "model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+        "cost_table_path": path})  # fmt: skip
+    spec = llm.engine.runner.spec
+    spec.drafting.survival = spec.drafting._survival[True] = np.array([0.9, 0.7, 0.5, 0.3, 0.2])
+    assert nearby_rows(40) == nearby_rows(41) != nearby_rows(60)
+    rate40, rate60 = spec._opportunity_rate(40), spec._opportunity_rate(60)
+    assert 0 < rate40 < rate60  # (more rows decoding earn more per ms on this table)
+    priced = []
+    spec.cost.decode_variable = lambda *a, p=spec.cost.decode_variable: priced.append(a) or p(*a)
+    assert spec._opportunity_rate(40) == rate40 and spec._opportunity_rate(41) == rate40
+    assert spec._opportunity_rate(60) == rate60 and priced == []  # (both groups kept)
+    spec.drafting.updates += 1  # a new survival estimate: every group priced afresh
+    assert spec._memoized_rate(40) is None and spec._memoized_rate(60) is None
+    spec._opportunity_rate(40)
+    assert priced == [(40, 5)] and spec._memoized_rate(40) is not None
+    spec._plans_counted += spec.settled_plans  # (as old as a standing plan may be)
+    assert spec._memoized_rate(40) is None
