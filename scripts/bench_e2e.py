@@ -14,6 +14,9 @@ arms of a level alike instead of whichever arm ran its whole sweep in the slow m
 small pairs: three 8B-shape servers with the KV cache of 256 requests x 768 tokens (~28 GB
 each) and their weights do not fit one H200.
 
+--offline-sweep LEVELS: each arm also through the offline API, a closed loop of exactly C
+requests (offline_sweep.py): at c >= 128 a serving sweep can measure the API server instead.
+
     python3 scripts/bench_e2e.py --target T --drafter D --dataset humaneval \
         --dataset-path HumanEval.jsonl.gz --out $OUT
     # synthetic acceptance on a random-weight target (labelled SYNTHETIC everywhere):
@@ -35,7 +38,8 @@ import httpx
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_report import print_table  # noqa: E402  (the summary and per-level diagnostics)
+from e2e_report import print_offline_table, print_table  # noqa: E402  (the summary)
+from offline_sweep import offline_sweep, parse_levels  # noqa: E402  (the closed loop)
 
 from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 
@@ -354,6 +358,9 @@ def main() -> int:
     a("--engine-cpus", default=None, metavar="LIST",
       help="every server's engine process on these CPUs (DSPARK_ENGINE_CPUS, e.g. '2'), the "
            "servers and clients on the others: a CPU's speed is not read as an arm's")
+    a("--offline-sweep", type=parse_levels, default=[], metavar="LEVELS",
+      help="concurrency levels (e.g. 128,256) of a closed-loop sweep of each arm through the "
+           "offline API (no HTTP server), at each temperature; default: none")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     if args.engine_cpus:
@@ -382,8 +389,14 @@ def main() -> int:
     results = (run_interleaved if args.interleave else run_sequential)(args, temps)
     # the sweep's summary first: a run cut in the offline pass (a caller's timeout) keeps it
     write_summary(args, results, {"offline_pass": "not finished"})
-    checks = offline_checks(args) if args.identity_prompts > 0 else {
-        "identical_at_t0": None, "num_prompts": 0, "overhead": None, "mismatching_prompts": {}}
+    offline = {}  # before the identity pass (a caller's timeout often cuts that one); the
+    if args.offline_sweep:  # summary gets each arm's levels as soon as the arm finishes
+        offline["offline_sweep"] = offline_sweep(args, run_order(args), args.offline_sweep, temps,
+                                                 on_arm=lambda r: write_summary(args, results, {
+                                                     "offline_pass": "not finished",
+                                                     "offline_sweep": r}))  # fmt: skip
+    checks = offline | (offline_checks(args) if args.identity_prompts > 0 else {
+        "identical_at_t0": None, "num_prompts": 0, "overhead": None, "mismatching_prompts": {}})
     # which execution path each server ran (a failed capture silently changes the arm)
     checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))
                         for arm in arms(args)}  # fmt: skip
@@ -397,6 +410,8 @@ def main() -> int:
                         os.path.join(args.out, f"sweep_t{t:g}.png"), "--title",
                         f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
     print_table(list(arms(args)), temps, results, checks, label)
+    if offline:
+        print_offline_table(list(arms(args)), offline["offline_sweep"], label)
     return 0
 
 

@@ -180,3 +180,38 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                             in (o.get("plan_by_part") or {}).items() if n)  # fmt: skip
         print(f"scheduler overhead: plan {o['plan_ms']:.1f} ms + alloc {o['alloc_ms']:.1f} ms "
               f"= {o['fraction']:.2%} of step time ({o['steps']} steps; plans: {by_part})")
+
+
+def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
+    """The closed-loop sweep of the offline API (offline_sweep.py, bench_e2e --offline-sweep):
+    output tok/s by arm, temperature and level, with the engine's median batch (requests
+    running after a step) and the acceptance length; an arm cut short shows as '-'."""
+    done = sweep["arms"]
+    print(f"\n=== {label}offline API, closed loop, concurrency C (no HTTP server): output "
+          "tok/s (batch p50 | acceptance length) ===")
+    versus = ("adaptive vs best / vs fixed" if len(names) == 3 else f"{names[-1]} vs {names[0]}")
+    for t in sweep["temperatures"]:
+        print(f"-- temperature {t:g}")
+        print("   C " + "".join(f"{n:>28}" for n in names) + "   " + versus)
+        for i, c in enumerate(sweep["levels"]):
+            rows = [(done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+                    for n in names]  # fmt: skip
+            levels = [r[i] if i < len(r) else None for r in rows]
+            cells = []
+            for lv in levels:
+                if lv is None:
+                    cells.append("-")
+                    continue
+                acc = (lv.get("spec_decode") or {}).get("mean_acceptance_length")
+                acc = "-" if acc is None else f"{acc:.2f}"
+                cells.append(f"{lv['output_throughput']:9.1f} ({lv['batch_p50']:>4} | {acc:>4})")
+            tput = [None if lv is None else lv["output_throughput"] for lv in levels]
+            ratio = ""
+            if None not in tput and len(names) == 3:
+                ratio = f"{tput[2] / max(tput[0], tput[1]) - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}"
+            elif None not in tput:
+                ratio = f"{tput[-1] / tput[0] - 1:+.1%}"
+            print(f"{c:>4} " + "".join(f"{x:>28}" for x in cells) + f"   {ratio}")
+    for n in names:
+        if n in done and done[n].get("cost_table"):
+            print(f"{n} offline engine's cost table: {done[n]['cost_table']}")

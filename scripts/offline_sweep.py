@@ -1,0 +1,208 @@
+"""Closed-loop throughput of the offline API (an in-process engine, no HTTP server).
+
+`dspark bench serve` at high concurrency can measure the API server instead of the engine:
+on the H200 the trained pair's three arms at c = 128 / 256 were capped by the one API-server
+process (~1 core busy; the engine held ~45 requests at c = 256, TTFT ~1 s). Here the engine
+is driven directly: `closed_loop` keeps exactly C requests in the engine (a new prompt is
+added as soon as a request's final output arrives) until the prompts run out, and
+`offline_sweep` runs it for each arm at each level and temperature (bench_e2e.py
+--offline-sweep, with the serving sweep's dataset, output length and engine settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from dspark.bench.spec_stats import SPEC_FIELDS, spec_summary
+from dspark.engine.prompt_input import prompt_token_ids
+
+_runs = itertools.count()  # request ids of a run: unique within an engine
+
+
+def parse_levels(text: str) -> list[int]:
+    """Concurrency levels of --offline-sweep ("128,256"; "" is none), as argparse's `type`."""
+    levels = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            level = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not an integer (expected levels like '128,256')") from None
+        if level < 1:
+            raise argparse.ArgumentTypeError(f"levels must be >= 1, got {level}")
+        levels.append(level)
+    if len(set(levels)) != len(levels):
+        raise argparse.ArgumentTypeError(f"a level is repeated in {text!r}")
+    return levels
+
+
+def pretokenized(engine, prompts: list, max_tokens: list[int]) -> list[dict]:
+    """The prompts as token ids (tokenized now, so that the timed loop does not tokenize)."""
+    vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
+    out = []
+    for prompt, n in zip(prompts, max_tokens, strict=True):
+        text, ids = prompt_token_ids(prompt, engine.tokenizer, vocab, max_len, n)
+        out.append({"prompt_token_ids": ids, "prompt": text})
+    return out
+
+
+def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
+           salt: str | None) -> dict:  # fmt: skip
+    """Run `prompts` with `concurrency` of them in the engine at a time. Invariant: after
+    the first `concurrency`, the next prompt is added only when a final output arrives, so
+    the scheduler (running + waiting) never holds more than `concurrency` requests; it holds
+    fewer only at the tail, and between a request's commit (which takes it out of the
+    scheduler) and the step() call that returns its output (llm_engine.py)."""
+    run, sched = next(_runs), engine.scheduler
+    added, finished, batch, held = 0, [], [], []
+
+    def add() -> None:
+        nonlocal added
+        engine.add_request(f"closed{run}-{added}", prompts[added], params_for(added),
+                           cache_salt=salt)  # fmt: skip
+        added += 1
+
+    start = time.perf_counter()
+    steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
+    while added < min(concurrency, len(prompts)):
+        add()
+    while engine.has_unfinished_requests():
+        held.append(len(sched.running) + len(sched.waiting))
+        for out in engine.step():  # (the offline API's engine returns final outputs only)
+            if out.finished:
+                finished.append(out)
+                if added < len(prompts):
+                    add()
+        # the requests of the step this call launched, less those its commit finished
+        batch.append(len(sched.running))
+    return {"outputs": finished, "wall_s": time.perf_counter() - start, "batch": batch,
+            "held": held, "steps": engine.stats["steps"] - steps0,
+            "step_ms": engine.stats["step_time_ms"] - step_ms0}  # fmt: skip
+
+
+def closed_loop(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
+                warmup: int = 0, warmup_tokens: int = 16, salt: str | None = None,
+                outputs: list | None = None) -> dict:  # fmt: skip
+    """Throughput of `engine` (an LLMEngine with stream_outputs off, as LLM makes it) at a
+    closed loop of `concurrency` requests over `prompts` (request i sampled with
+    `params_for(i)`). First, unmeasured, the first `warmup` prompts cut to `warmup_tokens`
+    tokens at the same concurrency (salted apart, so that the measured requests do not find
+    them in the prefix cache). The clock runs from the first measured request's arrival to
+    the last one's final output. `outputs`, if given, receives the measured final outputs."""
+    if warmup > 0:
+        def cut(i: int):
+            p = params_for(i)
+            return dataclasses.replace(p, max_tokens=min(p.max_tokens or warmup_tokens,
+                                                         warmup_tokens))  # fmt: skip
+
+        _drive(engine, prompts[:warmup], cut, concurrency, f"{salt or ''}warmup")
+    run = _drive(engine, prompts, params_for, concurrency, salt)
+    done = run["outputs"]
+    if outputs is not None:
+        outputs.extend(done)
+    tokens = [len(o.outputs[0].token_ids) for o in done]
+    wall, batch = run["wall_s"], run["batch"]
+    # TPOT: each request's first token to its last, per later token (as bench serve's)
+    tpots = [(o.metrics.finished_time - o.metrics.first_token_time) * 1e3 / (n - 1)
+             for o, n in zip(done, tokens) if n > 1 and o.metrics.finished_time is not None]
+    ttfts = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in done
+             if o.metrics.first_token_time is not None]  # fmt: skip
+    stats = [o.spec_decode for o in done if isinstance(o.spec_decode, dict)]
+    spec = (spec_summary({k: sum(s[k] for s in stats) for k in SPEC_FIELDS}, len(stats),
+                         "offline outputs") if stats else None)  # fmt: skip
+    return {
+        "max_concurrency": concurrency, "num_prompts": len(prompts), "completed": len(done),
+        "output_tokens": sum(tokens), "wall_s": wall,
+        "output_throughput": sum(tokens) / wall if wall > 0 else 0.0,
+        "request_throughput": len(done) / wall if wall > 0 else 0.0,
+        "mean_tpot_ms": statistics.fmean(tpots) if tpots else None,
+        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+        "steps": run["steps"],
+        # engine.step()'s own time per step; the rest of the wall time is the loop's
+        "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
+        # requests running after each step() call (its launched step's, less finished ones)
+        "batch_mean": statistics.fmean(batch) if batch else 0.0,
+        "batch_p50": statistics.median_low(batch) if batch else 0,
+        "batch_max": max(batch, default=0),
+        "max_in_flight": max(run["held"], default=0),  # scheduler's running + waiting
+        "spec_decode": spec,
+    }
+
+
+def level_prompts(args, concurrency: int) -> tuple[list, list[int]]:
+    """(prompts, max tokens of each) of one level: what bench serve measures there
+    (max(--num-prompts, F x C) samples, the same loader, lengths and output length)."""
+    from dspark.bench.datasets import load_dataset
+
+    n = max(args.num_prompts, math.ceil(args.prompts_per_concurrency * concurrency))
+    kind = "token-ids" if args.load_format == "dummy" else "words"
+    samples = load_dataset(args.dataset, n, path=args.dataset_path, input_len=args.input_len,
+                           output_len=args.output_len, default_max_tokens=args.output_len,
+                           seed=concurrency, prompt_type=kind,
+                           range_ratio=args.range_ratio)  # fmt: skip
+    return [s.prompt for s in samples], [s.max_tokens for s in samples]
+
+
+def with_served_table(spec: dict | None, out_dir: str, arm: str) -> dict | None:
+    """`spec` loading the cost table its server profiled (bench_e2e.serve wrote it beside the
+    log), so that the offline engine plans with the same table and does not profile again."""
+    path = os.path.join(out_dir, f"serve_{arm}.log.table.json")
+    if spec is None or "cost_table_path" in spec or not os.path.exists(path):
+        return spec
+    return dict(spec, cost_table_path=path)
+
+
+def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[int],
+                  temps: list[float], on_arm: Callable[[dict], None] | None = None) -> dict:
+    """Each arm's engine in turn (one LLM per arm, freed before the next), every level at
+    every temperature. Returns {"levels", "temperatures", "arms": {arm: {"cost_table",
+    "by_temperature": {"T": [one closed_loop result per level]}}}}; `on_arm` gets it after
+    each arm (a run cut short keeps the arms that finished)."""
+    from dspark import LLM, SamplingParams
+
+    result = {"levels": levels, "temperatures": temps, "arms": {}}
+    pinned_from = None
+    if args.engine_cpus:  # this process is the engine now: on the servers' engine CPUs
+        from dspark.engine.cpu_affinity import parse_cpu_list
+
+        pinned_from = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, parse_cpu_list(args.engine_cpus))
+    try:
+        for arm, spec in run_order:
+            spec = with_served_table(spec, args.out, arm)
+            kw = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+            with LLM(args.target, speculative_config=spec, load_format=args.load_format,
+                     device=args.device, max_num_seqs=max(levels),
+                     max_model_len=args.max_model_len,
+                     max_num_batched_tokens=args.max_num_batched_tokens, **kw) as llm:
+                engine = llm.engine
+                runner_spec = engine.runner.spec
+                done = {"cost_table": getattr(runner_spec, "cost_status", None),
+                        "by_temperature": {}}  # fmt: skip
+                for t in temps:
+                    rows = done["by_temperature"][f"{t:g}"] = []
+                    for c in levels:
+                        raw, max_tokens = level_prompts(args, c)
+                        prompts = pretokenized(engine, raw, max_tokens)
+                        params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)
+                                  for n in max_tokens]  # fmt: skip
+                        warm = c if args.warmup_tokens_per_level > 0 else 0
+                        rows.append(closed_loop(engine, prompts, params.__getitem__, c, warm,
+                                                args.warmup_tokens_per_level,
+                                                salt=f"offline-t{t:g}-c{c}-"))  # fmt: skip
+            result["arms"][arm] = done
+            if on_arm is not None:
+                on_arm(result)
+    finally:
+        if pinned_from is not None:
+            os.sched_setaffinity(0, pinned_from)
+    return result

@@ -1,0 +1,141 @@
+"""scripts/offline_sweep.py: the closed loop keeps exactly C requests in the engine and counts
+what it produced; bench_e2e.py --offline-sweep runs it per arm after the serving sweep and
+before the identity pass, writing each arm's levels as soon as the arm finishes (the demo
+pair on the CPU; its numbers are not checked beyond sanity)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cost_model import CostModel
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import bench_e2e  # noqa: E402
+from offline_sweep import closed_loop, parse_levels  # noqa: E402
+
+DEMO = os.path.join(ROOT, "dspark", "assets", "demo")
+PROMPTS = [list(range(5 + i, 9 + 2 * i)) for i in range(7)]  # 4..10 tokens each
+MAX_TOKENS, CONCURRENCY = 8, 3
+
+
+@pytest.mark.parametrize("arm", ["nospec", "fixed", "adaptive"])
+def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm):
+    spec = None if arm == "nospec" else {
+        "model": f"{DEMO}/drafter", "num_speculative_tokens": 3,
+        **({"adaptive_policy": "fixed"} if arm == "fixed"
+           else {"enable_adaptive_verification": True})}  # fmt: skip
+    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128,
+             max_num_batched_tokens=256, speculative_config=spec) as llm:  # fmt: skip
+        engine = llm.engine
+        params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, ignore_eos=True)
+                  for t in (0.0, 1.0) * 4]  # fmt: skip
+        tokens0 = engine.stats["generation_tokens"]
+        outputs = []
+        res = closed_loop(engine, [{"prompt_token_ids": p} for p in PROMPTS],
+                          params.__getitem__, CONCURRENCY, warmup=CONCURRENCY,
+                          warmup_tokens=2, outputs=outputs)  # fmt: skip
+        produced = engine.stats["generation_tokens"] - tokens0
+    # every measured prompt finished once with exactly max_tokens tokens (ignore_eos)
+    assert sorted(o.prompt_token_ids for o in outputs) == sorted(PROMPTS)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    assert res["completed"] == res["num_prompts"] == len(PROMPTS)
+    assert res["output_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs)
+    # the warm-up ran (C prompts cut to 2 tokens) and is not counted
+    assert produced == res["output_tokens"] + CONCURRENCY * 2
+    # never more than C requests in the engine, and C in it (and in one step's batch) at times
+    assert res["max_in_flight"] == CONCURRENCY and res["batch_max"] == CONCURRENCY
+    assert 0 < res["batch_mean"] <= CONCURRENCY and 1 <= res["batch_p50"] <= CONCURRENCY
+    assert res["output_throughput"] > 0 and res["wall_s"] > 0 and res["steps"] > 0
+    assert res["mean_tpot_ms"] > 0 and res["mean_ttft_ms"] >= 0
+    if arm == "nospec":
+        assert res["spec_decode"] is None
+    else:  # acceptance of the measured requests: tokens per decoding round
+        assert res["spec_decode"]["mean_acceptance_length"] >= 1.0
+
+
+def test_closed_loop_with_fewer_prompts_than_c_holds_them_all():
+    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        res = closed_loop(llm.engine, PROMPTS[:2], lambda i: params, concurrency=5)
+    assert res["completed"] == 2 and res["output_tokens"] == 8 and res["max_in_flight"] == 2
+
+
+def test_parse_levels():
+    assert parse_levels("128,256") == [128, 256] and parse_levels(" 4 , 2") == [4, 2]
+    assert parse_levels("") == []
+    for bad in ("0", "4,x", "-1", "4,4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_levels(bad)
+
+
+@pytest.mark.parametrize("value", ["0", "128,abc", "4,4"])
+def test_bench_e2e_rejects_bad_offline_sweep_levels(monkeypatch, capsys, value):
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
+                                      "--offline-sweep", value])  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        bench_e2e.main()
+    assert exc.value.code == 2 and "argument --offline-sweep" in capsys.readouterr().err
+
+
+def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
+    tmp_path, monkeypatch, capsys
+):
+    """The serving sweep, plots and identity pass are stubbed: the offline sweep itself runs
+    (demo pair, CPU), after the serving sweep and before the identity pass, each arm's
+    levels in the summary as soon as the arm finishes; the adaptive engine loads the table
+    its server profiled instead of profiling again."""
+    table = tmp_path / "serve_adaptive3.log.table.json"
+    CostModel.analytic().to_json(str(table))  # (as the adaptive server wrote it)
+    events, summaries = [], []
+    write = bench_e2e.write_summary
+
+    def record_summary(args, results, checks):
+        write(args, results, checks)
+        summaries.append(json.loads((tmp_path / "bench_e2e.json").read_text())["checks"])
+
+    def identity_pass(args):
+        events.append(("identity", sorted(summaries[-1]["offline_sweep"]["arms"])))
+        return {"identical_at_t0": True, "num_prompts": 1, "overhead": None,
+                "mismatching_prompts": {}}  # fmt: skip
+
+    monkeypatch.setattr(bench_e2e, "run_sequential",
+                        lambda args, temps: events.append(("serving",)) or {})  # fmt: skip
+    monkeypatch.setattr(bench_e2e, "write_summary", record_summary)
+    monkeypatch.setattr(bench_e2e, "offline_checks", identity_pass)
+    monkeypatch.setattr(bench_e2e, "print_table", lambda *a: None)
+    monkeypatch.setattr(bench_e2e.subprocess, "run", lambda *a, **k: None)  # (the plots)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--target", f"{DEMO}/target", "--drafter", f"{DEMO}/drafter",
+        "--k", "3", "--dataset", "random", "--input-len", "8", "--output-len", "6",
+        "--num-prompts", "4", "--prompts-per-concurrency", "1.5", "--temperatures", "0,1",
+        "--arms", "nospec,adaptive", "--device", "cpu", "--max-model-len", "128",
+        "--max-num-batched-tokens", "256", "--offline-sweep", "2,3", "--out", str(tmp_path)])
+    assert bench_e2e.main() == 0
+    assert events == [("serving",), ("identity", ["adaptive3", "nospec"])]
+    # written after the serving sweep, after each arm (run order), and once at the end
+    arms_written = [sorted((s.get("offline_sweep") or {}).get("arms", {})) for s in summaries]
+    assert arms_written == [[], ["nospec"], ["adaptive3", "nospec"], ["adaptive3", "nospec"]]
+    sweep = summaries[-1]["offline_sweep"]
+    assert sweep["levels"] == [2, 3] and sweep["temperatures"] == [0.0, 1.0]
+    for arm, done in sweep["arms"].items():
+        for t in ("0", "1"):
+            levels = done["by_temperature"][t]
+            assert [lv["max_concurrency"] for lv in levels] == [2, 3]
+            # max(--num-prompts, 1.5 C) prompts of --output-len tokens each
+            assert [lv["completed"] for lv in levels] == [4, 5]
+            assert [lv["output_tokens"] for lv in levels] == [24, 30]
+            assert [lv["max_in_flight"] for lv in levels] == [2, 3]
+            assert (levels[0]["spec_decode"] is None) == (arm == "nospec")
+    assert sweep["arms"]["nospec"]["cost_table"] is None
+    assert sweep["arms"]["adaptive3"]["cost_table"].startswith(f"loaded from {table}")
+    out = capsys.readouterr().out
+    assert "offline API, closed loop, concurrency C (no HTTP server)" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["2"], ["3"])]
+    assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
