@@ -56,6 +56,20 @@ def shared_host_by_round(levels: list[dict]) -> list[float] | None:
     return [a / f if f > 0 else float("nan") for a, f in zip(adaptive, fixed)]
 
 
+def versus_header(names: list[str]) -> str:
+    """The comparison column's title for arms `names` (no-spec, fixed, adaptive, or one of
+    the first two and adaptive)."""
+    return "adaptive vs best / vs fixed" if len(names) == 3 else f"{names[-1]} vs {names[0]}"
+
+
+def versus_ratio(tput: list[float]) -> str:
+    """The comparison column of one level: adaptive (last) against the better of the other
+    two and against fixed K, or against the one other arm."""
+    if len(tput) == 3:
+        return f"{tput[2] / max(tput[0], tput[1]) - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}"
+    return f"{tput[-1] / tput[0] - 1:+.1%}"
+
+
 def print_table(names: list[str], temps, results, checks, label) -> None:
     """The arms' throughput by level and temperature (`names`: no-spec, fixed, adaptive, or
     one of the first two and adaptive), then what each level's counters say: the adaptive
@@ -64,9 +78,7 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
     print(f"\n=== {label}end-to-end: output tok/s (TPOT p50 ms | acceptance length) ===")
     for t in temps:
         print(f"-- temperature {t:g}")
-        versus = ("adaptive vs best / vs fixed" if len(names) == 3
-                  else f"{names[-1]} vs {names[0]}")  # fmt: skip
-        print("conc " + "".join(f"{n:>30}" for n in names) + "   " + versus)
+        print("conc " + "".join(f"{n:>30}" for n in names) + "   " + versus_header(names))
         levels = results[(names[0], t)]["results"]
         for i, lvl in enumerate(levels):
             cells, tput = [], []
@@ -79,10 +91,8 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                 tpot = "-" if tpot is None else f"{tpot:.2f}"
                 cells.append(f"{r['output_throughput']:9.1f} ({tpot:>6} | "
                              f"{acc if acc is None else round(acc, 2)!s:>4})")  # fmt: skip
-            ratio = (f"{tput[2] / max(tput[0], tput[1]) - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}"
-                     if len(names) == 3 else f"{tput[1] / tput[0] - 1:+.1%}")  # fmt: skip
             print(f"{lvl['max_concurrency']:>4} " + "".join(f"{c:>30}" for c in cells)
-                  + f"   {ratio}")
+                  + f"   {versus_ratio(tput)}")
         by_level = [[results[(n, t)]["results"][i] for n in names] for i in range(len(levels))]
         paired = [paired_by_round(arms_of_level) if len(names) == 3 else None
                   for arms_of_level in by_level]  # (the pairing needs the three arms)
@@ -189,10 +199,9 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     done = sweep["arms"]
     print(f"\n=== {label}offline API, closed loop, concurrency C (no HTTP server): output "
           "tok/s (batch p50 | acceptance length) ===")
-    versus = ("adaptive vs best / vs fixed" if len(names) == 3 else f"{names[-1]} vs {names[0]}")
     for t in sweep["temperatures"]:
         print(f"-- temperature {t:g}")
-        print("   C " + "".join(f"{n:>28}" for n in names) + "   " + versus)
+        print("   C " + "".join(f"{n:>28}" for n in names) + "   " + versus_header(names))
         for i, c in enumerate(sweep["levels"]):
             rows = [(done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
                     for n in names]  # fmt: skip
@@ -206,11 +215,7 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
                 acc = "-" if acc is None else f"{acc:.2f}"
                 cells.append(f"{lv['output_throughput']:9.1f} ({lv['batch_p50']:>4} | {acc:>4})")
             tput = [None if lv is None else lv["output_throughput"] for lv in levels]
-            ratio = ""
-            if None not in tput and len(names) == 3:
-                ratio = f"{tput[2] / max(tput[0], tput[1]) - 1:+.1%} / {tput[2] / tput[1] - 1:+.1%}"
-            elif None not in tput:
-                ratio = f"{tput[-1] / tput[0] - 1:+.1%}"
+            ratio = "" if None in tput else versus_ratio(tput)
             print(f"{c:>4} " + "".join(f"{x:>28}" for x in cells) + f"   {ratio}")
     for n in names:
         if n in done and done[n].get("cost_table"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import math
 import os
 import statistics
 import time
@@ -141,9 +140,10 @@ def closed_loop(engine, prompts: list, params_for: Callable[[int], object], conc
 def level_prompts(args, concurrency: int) -> tuple[list, list[int]]:
     """(prompts, max tokens of each) of one level: what bench serve measures there
     (max(--num-prompts, F x C) samples, the same loader, lengths and output length)."""
+    from dspark.bench.cli import level_num_prompts
     from dspark.bench.datasets import load_dataset
 
-    n = max(args.num_prompts, math.ceil(args.prompts_per_concurrency * concurrency))
+    n = level_num_prompts(args, concurrency)
     kind = "token-ids" if args.load_format == "dummy" else "words"
     samples = load_dataset(args.dataset, n, path=args.dataset_path, input_len=args.input_len,
                            output_len=args.output_len, default_max_tokens=args.output_len,
@@ -172,10 +172,10 @@ def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[i
     result = {"levels": levels, "temperatures": temps, "arms": {}}
     pinned_from = None
     if args.engine_cpus:  # this process is the engine now: on the servers' engine CPUs
-        from dspark.engine.cpu_affinity import parse_cpu_list
+        from dspark.engine.cpu_affinity import parse_cpu_list, pin
 
         pinned_from = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, parse_cpu_list(args.engine_cpus))
+        pin(parse_cpu_list(args.engine_cpus))
     try:
         for arm, spec in run_order:
             spec = with_served_table(spec, args.out, arm)
