@@ -134,7 +134,7 @@ class Planner:
         if d is not None:
             self.last_decision = d
             return d.budget
-        tolerance = RATE_TOLERANCE  # (a plan of a step with prefill chunks: rate_tolerance)
+        tolerance, ends = RATE_TOLERANCE, None  # (a step with prefill chunks: rate_tolerance)
         if ctx is None:
             ends = self._ends(caps.size, num_other_tokens, total)
             tolerance = rate_tolerance(opportunity_rate, ends[1] - ends[0], num_sampling_reqs,
@@ -145,7 +145,8 @@ class Planner:
                 self.last_decision, self.last_settled = d, True
                 return total
         self.searches += 1
-        cand, variable, _, _, small = ctx or self._context(caps.size, num_other_tokens, total)
+        cand, variable, _, _, small = ctx or self._context(caps.size, num_other_tokens, total,
+                                                           ends)  # fmt: skip
         if callable(stale_conf):  # read lazily: the bound above usually makes it unneeded
             stale_conf = stale_conf()
         if small is not None and (stale_conf is None or np.ndim(stale_conf) == 2):
@@ -193,7 +194,8 @@ class Planner:
         return best_budget_small(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                                  opportunity_rate)  # fmt: skip
 
-    def _context(self, num_reqs: int, other: int, total: int) -> tuple:
+    def _context(self, num_reqs: int, other: int, total: int,
+                 ends: tuple[float, float] | None = None) -> tuple:  # fmt: skip
         """What a batch shape's budget search needs besides the confidences: the candidate
         budgets, their step times without the fixed term (which is learned online, so added
         per step), those of n = 0 and n = total (the bound), the bound's decision, and for a
@@ -202,7 +204,8 @@ class Planner:
         step after step, and building it costs more than the search itself. A step with
         prefill chunks builds its own only for a search or a trimmed plan's rescale: chunk
         sizes vary from step to step, and building one for every plan cost 190-240 against 30-55
-        µs a plan with the caches cold (250 rows, development machine)."""
+        µs a plan with the caches cold (250 rows, development machine). `ends`: the shape's
+        _ends when the caller has them."""
         key = (num_reqs, other, total, self.cost.greedy_drafts)
         ctx = self._contexts.get(key)
         if ctx is None:
@@ -211,7 +214,8 @@ class Planner:
                 allowed = self.cost.budget_candidates(num_reqs + other, total)
             cand = candidate_budgets(allowed, total)
             variable = self.cost.variable_lookup(num_reqs + other + cand, num_reqs)
-            ends = self._ends(num_reqs, other, total)
+            if ends is None:
+                ends = self._ends(num_reqs, other, total)
             small = (cand.tolist(), variable.tolist()) if total <= SMALL_SLOTS else None
             if len(self._contexts) > 4096:
                 self._contexts.clear()
