@@ -130,10 +130,11 @@ class ModelRunner:
         graphs_ok = self.tp.size == 1 or os.environ.get("DSPARK_TP_CUDA_GRAPHS") == "1"
         if (device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager
                 and graphs_ok):  # fmt: skip
-            from dspark.engine.cuda_graph import CudaGraphRunner
+            from dspark.engine.cuda_graph import CudaGraphRunner, decode_graph_max_tokens
 
             k = self.spec.k if self.spec is not None else 0
-            max_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + k), 1024)
+            max_tokens = decode_graph_max_tokens(config.max_num_batched_tokens,
+                                                 config.max_num_seqs, k)  # fmt: skip
             self.graphs = CudaGraphRunner(self, max_query_len=1 + k, max_tokens=max_tokens)
             try:
                 self.graphs.capture()

@@ -8,7 +8,7 @@ import torch
 
 from dspark import LLM, SamplingParams
 from dspark.attention.base import SENTINEL_SLOT
-from dspark.engine.cuda_graph import default_buckets
+from dspark.engine.cuda_graph import decode_graph_max_tokens, default_buckets
 from dspark.engine.input_batch import pack_step
 from dspark.engine.step_graph import StepGraphs
 from dspark.engine.step_layout import Layout, fill_host
@@ -142,7 +142,8 @@ def test_every_trimmed_step_key_is_captured_before_serving(tiny_qwen, drafter, m
                     assert sg._trim_bucket(rb, rows + budget) in sg.trim_buckets(rb)
     # a dummy trimmed step fills its bucket exactly, with the GPU's buckets too (where 192
     # rows' bucket has a 160-token trim: rows 129..160 without drafts)
-    sg.buckets, sg.token_buckets = request_buckets(256), default_buckets(1024)
+    sg.buckets = request_buckets(256)
+    sg.token_buckets = default_buckets(decode_graph_max_tokens(8192, 256, k))
     for rb in sg.buckets:
         for tb in sg.trim_buckets(rb):
             rows, budget = sg.trim_dummy(rb, tb)
@@ -537,3 +538,18 @@ def test_idle_plain_graphs_are_captured_where_drafting_can_be_off(tiny_qwen, dra
     captured = {k for k in keys if k[0] == "plain" and k[-1] == "idle"}
     assert captured == ({("plain", rb, m, "idle") for rb in sg.buckets
                          for m in ("greedy", "sample")} if idle else set())  # fmt: skip
+
+
+def test_decode_graphs_cover_the_full_verify_stream():
+    """The per-phase decode/verify graphs reach every row's 1 + K tokens at max_num_seqs rows
+    (up to 2048 tokens), so the profiler prices a full K = 7 verify at 256 rows as the graph
+    replay serving runs, not as an eager forward (4x dearer on the H100: the planner then
+    trimmed c = 256 steps to 1024 tokens); budgets and the bucket list's top still cap it."""
+    assert decode_graph_max_tokens(8192, 256, 7) == 2048
+    assert default_buckets(decode_graph_max_tokens(8192, 256, 7))[-1] == 2048
+    assert decode_graph_max_tokens(8192, 192, 7) == 1536
+    assert default_buckets(1536)[-1] == 1536
+    assert decode_graph_max_tokens(8192, 64, 7) == 512
+    assert decode_graph_max_tokens(1024, 256, 7) == 1024  # the step's token budget
+    assert decode_graph_max_tokens(8192, 512, 7) == 2048  # the bucket list's top
+    assert decode_graph_max_tokens(8192, 256, 0) == 256  # no speculation: one token a row
