@@ -366,6 +366,50 @@ def test_plain_probes_only_where_plain_decoding_could_win():
     assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
 
 
+def test_plain_probes_price_plain_steps_at_their_least_measured_share():
+    """Once a plain probe measured plain steps' fixed term beside the speculative one at some
+    batch size, a plain step elsewhere is priced at no less than the least such ratio times
+    the speculative term (a host's per-step work is shared by both kinds), not at the bare
+    forward: on the H200 the trained pair's plain term was 0.97x the speculative one at 64
+    requests, and probes at each smaller batch size of a level's tail ran 12 plain steps
+    each where plain decoding could not win (87 plain steps of 1,457 at c = 64)."""
+    import numpy as np
+
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+
+    def decision(*terms: tuple[int, float, float]) -> tuple[DraftingDecision, FixedCosts]:
+        fixed = FixedCosts()
+        for n, spec_ms, plain_ms in terms:  # both kinds measured at n requests
+            for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+                fixed.observe("spec", spec_ms, n)
+                fixed.observe("plain", plain_ms, n)
+        d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+        for _ in range(20):  # survivals ~0.45: ahead of plain steps priced at 2 ms, not 0
+            d.update_survival(np.full((4, 4), 0.45))
+        return d, fixed
+
+    d, fixed = decision()  # nothing measured: the bare forward, as before
+    assert fixed.plain_share() is None
+    assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
+    d, fixed = decision((64, 2.0, 1.8))  # plain 0.9x spec: at 4 requests >= 1.8 ms
+    assert fixed.plain_share() == pytest.approx(0.9)
+    assert d._pays(cost, fixed, 4) and not d._plain_may_win
+    assert not d._plain_probe_due(fixed, 4, 0)
+    # the least share counts: plain 0.1x spec at 256 requests, so plain steps at 4 requests
+    # (priced at the nearer bucket's 1.8 ms by the verdict) could still win: probed
+    d, fixed = decision((64, 2.0, 1.8), (256, 4.0, 0.4))
+    assert fixed.plain_share() == pytest.approx(0.1)
+    assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
+    d, fixed = decision((64, 2.0, 1.8), (256, 4.0, -0.5))  # a negative term bounds nothing
+    assert fixed.plain_share() < 0
+    assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
+
+
 def test_plans_take_the_surveyed_survivals_for_steps_with_no_known_row(tiny_qwen, drafter,
                                                                       tmp_path):  # fmt: skip
     """Every plan hands the planner the drafting decision's surveyed survivals of its sampling
