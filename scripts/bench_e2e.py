@@ -342,7 +342,9 @@ def main() -> int:
     a("--start-timeout", type=float, default=600)
     a("--port", type=int, default=8123)
     a("--interleave", action="store_true",
-      help="all servers at once, each level arm after arm (order rotating by level)")
+      help="all servers at once, each level arm after arm (order rotating by level); "
+           "--offline-sweep then opens every arm's engine at once too, each level arm "
+           "after arm, the order reversed every other round")
     a("--arms", default=",".join(ARM_KINDS),
       help="the arms and the order they run in: adaptive and one or both of nospec, fixed "
            "(nospec,adaptive skips fixed K's server and sweep)")
@@ -350,7 +352,8 @@ def main() -> int:
       help="run the arms in the reverse order (arms run later meet a hotter GPU: at its "
            "700 W cap the H200's clock drops in compute-bound prefill steps)")
     a("--rounds", type=int, default=1,
-      help="with --interleave: each level measured this many times per arm, the median kept")
+      help="with --interleave: each level measured this many times per arm, the median "
+           "kept (the offline sweep's too)")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--no-engine-process", dest="engine_process", action="store_false",

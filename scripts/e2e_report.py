@@ -217,6 +217,13 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
             tput = [None if lv is None else lv["output_throughput"] for lv in levels]
             ratio = "" if None in tput else versus_ratio(tput)
             print(f"{c:>4} " + "".join(f"{x:>28}" for x in cells) + f"   {ratio}")
+    if sweep.get("rounds", 1) > 1:  # (the rows above are each level's median round)
+        for t in sweep["temperatures"]:
+            for n in names:
+                rows = (done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+                cells = "; ".join(f"c={lv['max_concurrency']} " + "/".join(
+                    f"{x:.0f}" for x in lv.get("rounds", ())) for lv in rows)  # fmt: skip
+                print(f"{n} offline rounds at T={t:g}, tok/s in run order: {cells}")
     for n in names:
         if n in done and done[n].get("cost_table"):
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")

@@ -6,12 +6,14 @@ process (~1 core busy; the engine held ~45 requests at c = 256, TTFT ~1 s). Here
 is driven directly: `closed_loop` keeps exactly C requests in the engine (a new prompt is
 added as soon as a request's final output arrives) until the prompts run out, and
 `offline_sweep` runs it for each arm at each level and temperature (bench_e2e.py
---offline-sweep, with the serving sweep's dataset, output length and engine settings).
+--offline-sweep, with the serving sweep's dataset, output length and engine settings; with
+--interleave, every arm's engine at once and each level arm after arm, --rounds times).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -161,15 +163,49 @@ def with_served_table(spec: dict | None, out_dir: str, arm: str) -> dict | None:
     return dict(spec, cost_table_path=path)
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median output throughput (the lower middle one of an even count), with
+    every round's throughput in run order under "rounds"."""
+    ordered = sorted(rounds, key=lambda r: r["output_throughput"])
+    return dict(ordered[(len(ordered) - 1) // 2],
+                rounds=[r["output_throughput"] for r in rounds])  # fmt: skip
+
+
+def _open(args, arm: str, spec: dict | None, levels: list[int]):
+    from dspark import LLM
+
+    spec = with_served_table(spec, args.out, arm)
+    kw = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    return LLM(args.target, speculative_config=spec, load_format=args.load_format,
+               device=args.device, max_num_seqs=max(levels), max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, **kw)  # fmt: skip
+
+
+def _level(args, engine, t: float, c: int, salt: str) -> dict:
+    """One closed loop of level c at temperature t (salt: this run's prefix-cache salt)."""
+    from dspark import SamplingParams
+
+    raw, max_tokens = level_prompts(args, c)
+    prompts = pretokenized(engine, raw, max_tokens)
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    warm = c if args.warmup_tokens_per_level > 0 else 0
+    return closed_loop(engine, prompts, params.__getitem__, c, warm,
+                       args.warmup_tokens_per_level, salt=salt)  # fmt: skip
+
+
 def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[int],
                   temps: list[float], on_arm: Callable[[dict], None] | None = None) -> dict:
-    """Each arm's engine in turn (one LLM per arm, freed before the next), every level at
-    every temperature. Returns {"levels", "temperatures", "arms": {arm: {"cost_table",
-    "by_temperature": {"T": [one closed_loop result per level]}}}}; `on_arm` gets it after
-    each arm (a run cut short keeps the arms that finished)."""
-    from dspark import LLM, SamplingParams
-
-    result = {"levels": levels, "temperatures": temps, "arms": {}}
+    """Every arm at every level and temperature. Returns {"levels", "temperatures", "rounds",
+    "arms": {arm: {"cost_table", "by_temperature": {"T": [one row per level]}}}}, a row
+    being closed_loop's result (median_round's with rounds). Sequentially (default): one
+    engine per arm, freed before the next, `on_arm` given the result after each arm. With
+    --interleave: every arm's engine open at once, each level run arm after arm, --rounds
+    times, the order reversed every other round (the host's speed drifts 0.9-2.2x within a
+    call: single runs of one arm moved up to 47% between two calls on one H200 machine,
+    thirty-eighth session), `on_arm` given the result after each level. A run cut short
+    keeps what was handed out."""
+    rounds = max(args.rounds, 1) if args.interleave else 1
+    result = {"levels": levels, "temperatures": temps, "rounds": rounds, "arms": {}}
     pinned_from = None
     if args.engine_cpus:  # this process is the engine now: on the servers' engine CPUs
         from dspark.engine.cpu_affinity import parse_cpu_list, pin
@@ -177,32 +213,45 @@ def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[i
         pinned_from = os.sched_getaffinity(0)
         pin(parse_cpu_list(args.engine_cpus))
     try:
-        for arm, spec in run_order:
-            spec = with_served_table(spec, args.out, arm)
-            kw = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
-            with LLM(args.target, speculative_config=spec, load_format=args.load_format,
-                     device=args.device, max_num_seqs=max(levels),
-                     max_model_len=args.max_model_len,
-                     max_num_batched_tokens=args.max_num_batched_tokens, **kw) as llm:
-                engine = llm.engine
-                runner_spec = engine.runner.spec
-                done = {"cost_table": getattr(runner_spec, "cost_status", None),
-                        "by_temperature": {}}  # fmt: skip
-                for t in temps:
-                    rows = done["by_temperature"][f"{t:g}"] = []
-                    for c in levels:
-                        raw, max_tokens = level_prompts(args, c)
-                        prompts = pretokenized(engine, raw, max_tokens)
-                        params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True)
-                                  for n in max_tokens]  # fmt: skip
-                        warm = c if args.warmup_tokens_per_level > 0 else 0
-                        rows.append(closed_loop(engine, prompts, params.__getitem__, c, warm,
-                                                args.warmup_tokens_per_level,
-                                                salt=f"offline-t{t:g}-c{c}-"))  # fmt: skip
-            result["arms"][arm] = done
-            if on_arm is not None:
-                on_arm(result)
+        if args.interleave:
+            _interleaved(args, run_order, levels, temps, rounds, result, on_arm)
+        else:
+            for arm, spec in run_order:
+                with _open(args, arm, spec, levels) as llm:
+                    done = _arm_entry(result, arm, llm)
+                    for t in temps:
+                        done["by_temperature"][f"{t:g}"] = [
+                            _level(args, llm.engine, t, c, f"offline-t{t:g}-c{c}-")
+                            for c in levels]  # fmt: skip
+                if on_arm is not None:
+                    on_arm(result)
     finally:
         if pinned_from is not None:
             os.sched_setaffinity(0, pinned_from)
     return result
+
+
+def _arm_entry(result: dict, arm: str, llm) -> dict:
+    done = result["arms"][arm] = {
+        "cost_table": getattr(llm.engine.runner.spec, "cost_status", None), "by_temperature": {}}
+    return done
+
+
+def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None:
+    with contextlib.ExitStack() as stack:
+        engines = [(arm, stack.enter_context(_open(args, arm, spec, levels)))
+                   for arm, spec in run_order]  # fmt: skip
+        for arm, llm in engines:
+            _arm_entry(result, arm, llm)
+        for t in temps:
+            for c in levels:
+                runs: dict[str, list[dict]] = {arm: [] for arm, _ in engines}
+                for r in range(rounds):
+                    for arm, llm in engines if r % 2 == 0 else engines[::-1]:
+                        salt = f"offline-t{t:g}-c{c}-r{r}-"
+                        runs[arm].append(_level(args, llm.engine, t, c, salt))
+                for arm, rows in runs.items():
+                    by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])
+                    by_t.append(median_round(rows))
+                if on_arm is not None:
+                    on_arm(result)

@@ -139,3 +139,64 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     assert "offline API, closed loop, concurrency C (no HTTP server)" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["2"], ["3"])]
     assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
+
+
+def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_path, monkeypatch):
+    """With --interleave the offline sweep opens every arm's engine at once and runs each level
+    arm after arm, --rounds times, the order reversed every other round, each round salted
+    apart; a level's row is its median round, with every round's throughput in run order,
+    and the summary is handed out after each level (demo pair, CPU)."""
+    import offline_sweep as osw
+
+    opened, runs, handed = {}, [], []
+    real_open, real_level = osw._open, osw._level
+
+    def spy_open(args, arm, spec, levels):
+        llm = real_open(args, arm, spec, levels)
+        opened[id(llm.engine)] = arm
+        return llm
+
+    def spy_level(args, engine, t, c, salt):
+        runs.append((len(opened), opened[id(engine)], t, c, salt))
+        return real_level(args, engine, t, c, salt)
+
+    monkeypatch.setattr(osw, "_open", spy_open)
+    monkeypatch.setattr(osw, "_level", spy_level)
+    args = argparse.Namespace(
+        target=f"{DEMO}/target", out=str(tmp_path), num_kv_blocks=None, load_format="auto",
+        device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
+        interleave=True, rounds=3, warmup_tokens_per_level=2, dataset="random",
+        dataset_path=None, input_len=8, output_len=5, range_ratio=0.0, num_prompts=3,
+        prompts_per_concurrency=1.0)  # fmt: skip
+    order = [("nospec", None), ("adaptive3", {"model": f"{DEMO}/drafter",
+                                              "num_speculative_tokens": 3,
+                                              "enable_adaptive_verification": True})]
+    res = osw.offline_sweep(args, order, [2, 3], [1.0],
+                            on_arm=lambda r: handed.append(json.dumps(r)))  # fmt: skip
+    # both engines open before the first run; per level: N A, A N, N A
+    assert all(n_open == 2 for n_open, *_ in runs)
+    assert [(arm, c) for _, arm, _, c, _ in runs] == [
+        (a, c) for c in (2, 3) for a in ("nospec", "adaptive3", "adaptive3", "nospec",
+                                         "nospec", "adaptive3")]  # fmt: skip
+    # every run of a level salted apart per round (the prefix cache serves no round's prompts)
+    salts = {(arm, c): {s for _, a, _, cc, s in runs if (a, cc) == (arm, c)} for _, arm, _, c, _
+             in runs}  # fmt: skip
+    assert all(len(v) == 3 for v in salts.values())
+    assert res["rounds"] == 3 and len(handed) == 2  # after each level
+    assert len(json.loads(handed[0])["arms"]["nospec"]["by_temperature"]["1"]) == 1
+    for arm in ("nospec", "adaptive3"):
+        rows = res["arms"][arm]["by_temperature"]["1"]
+        assert [r["max_concurrency"] for r in rows] == [2, 3]
+        for r in rows:
+            assert len(r["rounds"]) == 3 and r["completed"] == r["num_prompts"] == 3
+            assert r["output_throughput"] == sorted(r["rounds"])[1]  # the median round
+    assert res["arms"]["adaptive3"]["cost_table"] is not None
+
+
+def test_median_round_is_the_lower_middle_by_throughput():
+    from offline_sweep import median_round
+
+    rows = [{"output_throughput": x, "tag": i} for i, x in enumerate([5.0, 1.0, 9.0, 3.0])]
+    mid = median_round(rows)
+    assert mid["tag"] == 3 and mid["rounds"] == [5.0, 1.0, 9.0, 3.0]
+    assert median_round(rows[:1])["rounds"] == [5.0]
