@@ -2,7 +2,10 @@
 device work replaced by a fixed answer (every row emits one token, or three when verifying),
 so what is timed is scheduling, packing, the bucket layout, bookkeeping and commit.
 
-    python3 scripts/host_step_cost.py --policy fixed --concurrency 1
+`--cold`: each step after a read of 64 MiB (not timed), as the serving loop's other work
+leaves the step's objects out of the caches.
+
+    python3 scripts/host_step_cost.py --policy fixed --concurrency 1 [--cold]
 """
 
 from __future__ import annotations
@@ -171,6 +174,9 @@ def main() -> int:
     ap.add_argument("--settled-plans", type=int, default=None,
                     help="lagged: plans a bound-settled plan stands for (1: none stands)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--cold", action="store_true",
+                    help="read 64 MiB before each step (not timed): the serving loop's other "
+                         "work leaves the step's objects out of the caches")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="cProfile the timed steps into FILE (pstats; the timers then read high)")
     args = ap.parse_args()
@@ -214,18 +220,24 @@ def main() -> int:
 
         prof = cProfile.Profile()
         prof.enable()
+    sweep, swept = (np.ones(8 << 20) if args.cold else None), 0.0  # (float64: 64 MiB)
     steps, t0 = 0, time.perf_counter()
     while llm.engine.has_unfinished_requests():
+        if sweep is not None:
+            s0 = time.perf_counter()
+            sweep.sum()
+            swept += time.perf_counter() - s0
         llm.engine.step()
         steps += 1
     if prof is not None:
         prof.disable()
         prof.dump_stats(args.profile)
-    per_step = (time.perf_counter() - t0) / steps * 1e6
+    per_step = (time.perf_counter() - t0 - swept) / steps * 1e6
     parts = ", ".join(f"{k} {v / steps * 1e3:.1f}"
                       for k, v in sorted(timers.ms.items(), key=lambda kv: -kv[1]) if v > 0)
     head = (f"policy {args.policy}{' plain' if args.plain else ''}"
             f"{f' T={args.temperature:g}' if args.temperature else ''}"
+            f"{', cold' if args.cold else ''}"
             f"{', streaming' if args.stream else ''}"
             f"{' deltas' if args.deltas else ''}, "
             f"concurrency {args.concurrency}: {steps} decode steps, ")

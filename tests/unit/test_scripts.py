@@ -38,15 +38,17 @@ def test_profile_example_smoke(tmp_path):
     assert table["provenance"]["dtype"] == "bfloat16" and table["verify"]["ms"]
 
 
-@pytest.mark.parametrize("policy", ["none", "lagged"])
-def test_host_step_cost(policy):
+@pytest.mark.parametrize("policy,cold", [("none", False), ("lagged", False), ("lagged", True)])
+def test_host_step_cost(policy, cold):
     proc = subprocess.run(
         [sys.executable, "scripts/host_step_cost.py", "--policy", policy, "--concurrency", "3",
-         "--tokens", "12"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+         "--tokens", "12", *(["--cold"] if cold else [])], cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
-    assert f"policy {policy}, concurrency 3:" in line and "pack_step" in line
+    label = f"policy {policy}{', cold' if cold else ''}, concurrency 3:"
+    assert label in line and "pack_step" in line
     assert "fill_host" in line  # the padded whole-step path ran
     assert ("plan" in line) == (policy == "lagged")
 
