@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from host_step_cost import DEMO, demo_spec, prefill_all, stub_device_work  # noqa: E402
+from host_step_cost import DEMO, demo_spec, prefill_all, stub_device_work, sweep_caches  # noqa: E402
 
 import dspark.engine.model_runner as mr  # noqa: E402
 from dspark import LLM, SamplingParams  # noqa: E402
@@ -53,17 +53,11 @@ def per_call_us(fn, n: int, blocks: int = 5) -> float:
     return best * 1e6
 
 
-_SWEEP = None  # the buffer read between cold calls (allocated on first use)
-
-
 def cold_call_us(fn, n: int) -> float:
     """The median of n calls, each after reading 64 MiB (evicts the last-level cache)."""
-    global _SWEEP
-    if _SWEEP is None:
-        _SWEEP = np.ones(8 << 20)  # float64: 64 MiB
     times = []
     for _ in range(max(n, 1)):
-        _SWEEP.sum()
+        sweep_caches()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
