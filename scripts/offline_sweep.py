@@ -204,7 +204,7 @@ def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[i
     call: single runs of one arm moved up to 47% between two calls on one H200 machine,
     thirty-eighth session), `on_arm` given the result after each level. A run cut short
     keeps what was handed out."""
-    rounds = max(args.rounds, 1) if args.interleave else 1
+    rounds = args.rounds if args.interleave else 1  # (bench_e2e checked --rounds >= 1)
     result = {"levels": levels, "temperatures": temps, "rounds": rounds, "arms": {}}
     pinned_from = None
     if args.engine_cpus:  # this process is the engine now: on the servers' engine CPUs

@@ -344,11 +344,7 @@ class DraftingDecision:
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
         g = self.min_predicted_gain
-        # the least a plain step's fixed term can be here: its least measured share of the
-        # speculative term (none measured: the bare forward), or its own term if lower
-        share = fixed.plain_share()
-        cheapest = 0.0 if share is None else max(share, 0.0) * cost.fixed_overhead_ms
-        cheapest = cheapest if plain_fixed is None else min(cheapest, plain_fixed)
+        cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed)  # (probes: below)
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
@@ -386,12 +382,10 @@ class DraftingDecision:
         """While drafting pays: plain steps at this batch size not measured lately. Only on
         decode steps (steps with prefill chunks are not observed), at most once per
         _PLAIN_PROBE_EVERY plans and bucket, and only where the last decision found that
-        plain decoding could win (`_plain_may_win`): where drafting beats plain steps priced
-        at the least they can cost (the table's bare forward plus their least measured share
-        of the speculative term: FixedCosts.plain_share), a probe costs ~60% of its steps'
-        tokens and cannot change the verdict (H200, 8B shape, SYNTHETIC, c = 4: 22 probe
-        steps, -3%; the trained pair at c = 64, priced at the bare forward: a probe of 12
-        plain steps at every smaller batch size of a level's tail)."""
+        plain decoding could win (`_plain_may_win`, plain steps at FixedCosts.plain_floor):
+        elsewhere a probe costs ~60% of its steps' tokens and cannot change the verdict
+        (H200, 8B SYNTHETIC, c = 4: 22 probe steps, -3%; the trained pair, c = 64: a probe
+        at every batch size of a level's tail while priced at the bare forward)."""
         if (not self.enabled or not self.plain_probes or not self.pays
                 or not self._plain_may_win or self._plain_probe_left > 0
                 or prefill_tokens > 0 or self.survival is None or num_sampling == 0):

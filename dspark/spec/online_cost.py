@@ -202,6 +202,14 @@ class FixedCosts:
         ratios = [p / s for b, p in plain.items() if (s := spec.get(b)) is not None and s > 0]
         return min(ratios, default=None)
 
+    def plain_floor(self, spec_ms: float, plain_ms: float | None) -> float:
+        """The least a plain step's fixed term can be where the speculative steps' term is
+        `spec_ms`: the least measured share of it (0 with none measured, or a share below
+        0), or `plain_ms`, the plain term read there (None: none), if lower."""
+        share = self.plain_share()
+        floor = 0.0 if share is None else max(share, 0.0) * spec_ms
+        return floor if plain_ms is None else min(floor, plain_ms)
+
     def age(self, kind: str, num_reqs: int) -> float:
         """Observed steps since this kind was last measured at this very batch-size bucket
         (inf: never; `get` would answer with a neighbour's term)."""
