@@ -32,6 +32,7 @@ ms each. A count of 1: search every plan.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -107,16 +108,42 @@ def rate_tolerance(rate: float, spread_ms: float, num_sampling: int, guard: floa
     return max(RATE_TOLERANCE, math.log1p(RATE_REGRET * guard * max(num_sampling, 1) / worst))
 
 
+def budget_at_most(graph_sizes: tuple[int, ...] | None, num_fixed_tokens: int, want: int,
+                   total: int) -> int:
+    """The largest candidate budget of a shape at most `want` (the smallest candidate when
+    none is), without building the candidates (CostModel.budget_candidates, then
+    candidate_budgets): with captured graph sizes (sorted) those whose total
+    `num_fixed_tokens + n` fills a bucket exactly, every n past the largest bucket, and
+    `total`; without, every n in [0, total]. A trimmed standing plan carried to a step with
+    another prefill chunk size rescales with this: building that size's whole search context
+    (candidates, their step times, the bound's ends) for it cost more than the plan's other
+    work (H200 host, trained pair, T = 1, c = 64: such plans 45-88 µs, thirty-ninth session)."""
+    want = min(max(int(want), 0), total)
+    if not graph_sizes or want == total:
+        return want
+    beyond = max(graph_sizes[-1] - num_fixed_tokens + 1, 0)  # every n from here is one
+    if want >= beyond:
+        return want
+    i = bisect.bisect_right(graph_sizes, num_fixed_tokens + want) - 1
+    if i >= 0 and graph_sizes[i] >= num_fixed_tokens:
+        return graph_sizes[i] - num_fixed_tokens
+    # none at most `want`: the smallest, the first bucket's (below `beyond`, as all are)
+    # unless it lies past verify-all
+    first = graph_sizes[bisect.bisect_left(graph_sizes, num_fixed_tokens)] - num_fixed_tokens
+    return min(first, total)
+
+
 def rescaled(d: BudgetDecision, cand, total: int) -> BudgetDecision:
     """A standing decision carried to a nearby shape of `total` drafts: verify-all stays
     verify-all; a trimmed budget keeps its share of the drafts, rounded down to one of this
-    shape's candidate budgets (those that fill a captured graph). `cand`: those budgets, or a
-    callable returning them (called only for a trimmed budget)."""
+    shape's candidate budgets (those that fill a captured graph). `cand`: those budgets
+    (sorted), or a callable from the share's budget to the largest candidate at most it
+    (budget_at_most; called only for a trimmed budget)."""
     budget = total
     if d.trimmed:
-        cand = cand() if callable(cand) else cand
         want = round(d.budget * total / max(d.max_budget, 1))
-        budget = int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)])
+        budget = (int(cand(want)) if callable(cand)
+                  else int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)]))
     return BudgetDecision(budget, total, d.theta_best, d.theta_full, d.predicted_gain,
                           budget < total)  # fmt: skip
 

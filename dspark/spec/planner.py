@@ -42,6 +42,7 @@ from dspark.spec.plan_reuse import (
     RATE_TOLERANCE,
     BudgetDecision,
     StandingPlans,
+    budget_at_most,
     rate_tolerance,
     settled_decision,
 )
@@ -128,8 +129,8 @@ class Planner:
         group = StandingPlans.group(caps.size, num_other_tokens, trim_penalty_ms,
                                     num_sampling_reqs == caps.size)
         self._last_group = group  # (retire_standing)
-        # (a step with prefill chunks builds its chunk size's context only if a plan needs it)
-        cand = ctx[0] if ctx else lambda: self._context(caps.size, num_other_tokens, total)[0]
+        # (a step with prefill chunks builds its chunk size's context only for a search)
+        cand = ctx[0] if ctx else self._snapper(caps.size + num_other_tokens, total)
         d = self.standing.take(group, cand, total, opportunity_rate)
         if d is not None:
             self.last_decision = d
@@ -171,8 +172,8 @@ class Planner:
         plan_cpu returns when one stands, no inputs read), or None (then plan_cpu plans it)."""
         group = StandingPlans.group(num_reqs, num_other_tokens, 0.0, num_sampling_reqs == num_reqs)
         self._last_group = group
-        d = self.standing.take(group, lambda: self._context(num_reqs, num_other_tokens, total)[0],
-                               total, opportunity_rate)  # fmt: skip
+        d = self.standing.take(group, self._snapper(num_reqs + num_other_tokens, total), total,
+                               opportunity_rate)  # fmt: skip
         if d is None:
             return None
         self.last_decision, self.last_settled = d, False
@@ -193,6 +194,12 @@ class Planner:
             times = [t + trim_penalty_ms for t in times[:-1]] + times[-1:]
         return best_budget_small(surv, cand, times, num_sampling_reqs, self.min_predicted_gain,
                                  opportunity_rate)  # fmt: skip
+
+    def _snapper(self, num_fixed_tokens: int, total: int):
+        """want -> the shape's largest candidate budget at most it (plan_reuse.budget_at_most:
+        the candidates _context would build, not built)."""
+        sizes = self.cost.graph_sizes if self.snap_to_graphs else None
+        return lambda want: budget_at_most(sizes, num_fixed_tokens, want, total)
 
     def _context(self, num_reqs: int, other: int, total: int,
                  ends: tuple[float, float] | None = None) -> tuple:  # fmt: skip

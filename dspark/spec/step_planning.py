@@ -33,6 +33,8 @@ SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of t
 # an untrimmed probe (_untrimmed_probe): this many verify-all decode plans, at most once per
 # UNTRIMMED_PROBE_EVERY observed steps and batch-size bucket
 UNTRIMMED_PROBE_STEPS = 12
+# plans an opportunity rate stays memoized for its request-count group (_opportunity_rate)
+RATE_MEMO_PLANS = 2 * SETTLED_PLANS
 UNTRIMMED_PROBE_EVERY = 512
 
 
@@ -41,6 +43,7 @@ class StepPlanning(StaleConfidences):
     observe_step_time (after commit), and the scheduler-overhead accounting."""
 
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
+    rate_memo_plans = RATE_MEMO_PLANS  # (1: every step with prefill chunks prices its rate)
     # (requests, greedy) -> [the plan count it stands until, its draft fills, whether it was
     # a searched verify-all near the guard] (_stand)
     _settled: dict  # (set_cost_model: {})
@@ -53,8 +56,8 @@ class StepPlanning(StaleConfidences):
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
-    # ((sampling mode, survival updates), {request-count group: (rate, plan count it stands
-    # until)}): _opportunity_rate's memo
+    # ((sampling mode, no survival estimate yet), {request-count group: (rate, plan count it
+    # stands until)}): _opportunity_rate's memo
     _rate_memo: tuple | None = None
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
@@ -265,12 +268,17 @@ class StepPlanning(StaleConfidences):
     def _opportunity_rate(self, n_sampling: int) -> float:
         """Tokens/ms the best decode-only step of `n_sampling` requests would earn (what a
         draft beside a prefill chunk must beat: rates.decode_rate), computed afresh only when
-        the survival estimate changed, the sampling mode did, its request-count group
-        (nearby_rows: within ~6%, as standing plans group them) has no rate priced in the
-        last SETTLED_PLANS plans: a prompt arriving in chunks plans several such steps in a
-        row, and pricing decoding cost 35% of each such plan (16 µs hot, ~70 cold,
-        development machine). Its fixed terms and context read may be that many plans old,
-        as a standing plan's are. Each group keeps its own rate: in serving the request
+        the sampling mode changed, the first survival estimate came, or its request-count
+        group (nearby_rows: within ~6%, as standing plans group them) has no rate priced in
+        the last RATE_MEMO_PLANS plans: a prompt arriving in chunks plans several such steps
+        in a row, and pricing decoding cost 35% of each such plan (16 µs hot, ~70 cold,
+        development machine). Its fixed terms, survival estimate and context read may be
+        that many plans old. Until the thirty-ninth session every new survival estimate
+        (each decision, and each decision step's commit) repriced every group and the memo
+        lasted SETTLED_PLANS plans: in a closed loop of the demo pair at c = 64 (device work
+        stubbed, development machine) 120 of 209 steps with prefill chunks missed their
+        standing plan, two in three of them for want of a memoized rate, and took the full
+        path. Each group keeps its own rate: in serving the request
         count moves across group edges and back as requests finish and successors arrive,
         and with one group memoized 114 of 220 such plans priced afresh (the demo pair at
         c = 64 with its device work stubbed, development machine)."""
@@ -279,16 +287,16 @@ class StepPlanning(StaleConfidences):
             greedy = self.fixed_costs.greedy
             rate = decode_rate(self.cost, self.drafting.estimate(greedy), n_sampling,
                                self.fixed_costs.get("plain", n_sampling))  # fmt: skip
-            mode, memo = (greedy, self.drafting.updates), self._rate_memo
+            mode, memo = (greedy, self.drafting.survival is None), self._rate_memo
             if memo is None or memo[0] != mode or len(memo[1]) >= 16:
-                memo = self._rate_memo = (mode, {})  # (rates priced under other estimates)
-            memo[1][nearby_rows(n_sampling)] = (rate, self._plans_counted + self.settled_plans)
+                memo = self._rate_memo = (mode, {})  # (rates priced in another mode)
+            memo[1][nearby_rows(n_sampling)] = (rate, self._plans_counted + self.rate_memo_plans)
         return rate
 
     def _memoized_rate(self, n_sampling: int) -> float | None:
         """_opportunity_rate's memo for this request count, or None (priced afresh)."""
         memo = self._rate_memo
-        if memo is None or memo[0] != (self.fixed_costs.greedy, self.drafting.updates):
+        if memo is None or memo[0] != (self.fixed_costs.greedy, self.drafting.survival is None):
             return None
         hit = memo[1].get(nearby_rows(n_sampling))
         return None if hit is None or self._plans_counted >= hit[1] else hit[0]

@@ -652,10 +652,35 @@ def test_a_standing_plan_of_a_step_with_prefill_chunks_builds_no_context_for_its
     assert d.trimmed and len(p._contexts) == 1
     got = [p.plan_cpu(weak, caps, n, 8, opportunity_rate=1.93) for n in (301, 350, 420, 511)]
     assert got == [first] * 4 and len(p._contexts) == 1 and p.searches == 1
-    fewer = np.array([3] * 7 + [1])  # 22 drafts: the trimmed plan is rescaled, by its context
+    fewer = np.array([3] * 7 + [1])  # 22 drafts: the trimmed plan is rescaled, no context
     b = p.plan_cpu(weak, fewer, 400, 8, opportunity_rate=1.93)
-    assert len(p._contexts) == 2 and p.searches == 1
+    assert len(p._contexts) == 1 and p.searches == 1
     assert b == rescaled(d, p._context(8, 400, 22)[0], 22).budget
+
+
+def test_budget_at_most_is_the_largest_built_candidate_at_most_the_wish():
+    """plan_reuse.budget_at_most (a trimmed standing plan's rescale, candidates not built)
+    picks what rescaled picks from the candidates _context builds (budget_candidates, then
+    candidate_budgets), with and without graph sizes, on random shapes: bucket edges, shapes
+    whose fixed tokens pass every bucket, wishes below every candidate and at verify-all."""
+    from dspark.spec.budget_search import candidate_budgets
+    from dspark.spec.plan_reuse import budget_at_most
+
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(400):
+        sizes = tuple(sorted({int(x) for x in rng.integers(1, 300, rng.integers(1, 12))}))
+        cost = CostModel.from_measurements([1, 512], [1.0, 2.0], graph_sizes=sizes)
+        fixed, total = int(rng.integers(0, 320)), int(rng.integers(1, 64))
+        for snap in (True, False):
+            allowed = cost.budget_candidates(fixed, total) if snap else None
+            cand = candidate_budgets(allowed, total)
+            for want in range(total + 1):
+                expect = int(cand[max(int(np.searchsorted(cand, want, side="right")) - 1, 0)])
+                got = budget_at_most(cost.graph_sizes if snap else None, fixed, want, total)
+                assert got == expect, (sizes, fixed, total, want, snap)
+                checked += 1
+    assert checked > 10_000
 
 
 def test_a_standing_plan_serves_nearby_shapes_as_the_same_share_of_their_drafts():

@@ -263,7 +263,7 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
         d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
         d._plain_may_win, d._min_interval_s = False, 0.0
         spec.fixed_costs = spec._fixed_by_mode[greedy]
-        spec._rate_memo = ((greedy, d.updates),
+        spec._rate_memo = ((greedy, d.survival is None),
                            {nearby_rows(n_sampling): (2.0, spec._plans_counted + 5)})
         spec.planner.standing.clear()
         spec.planner.standing._plans[group] = [3, standing, 2.0]
@@ -282,8 +282,10 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
 
 def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, drafter, tmp_path):
     """In serving the request count of steps with prefill chunks crosses group edges and back:
-    each group keeps the rate priced for it (until the survival estimate or the sampling mode
-    changes, or the rate is settled_plans plans old); a count of the same group reads it."""
+    each group keeps the rate priced for it (until the sampling mode changes or the rate is
+    rate_memo_plans plans old: a new survival estimate does not reprice it, nor does the
+    first one's arrival leave a rate priced without one standing); a count of the same group
+    reads it."""
     path = _table(tmp_path, "rates", weight_read_ms=1.0, ms_per_token=0.1,
                   fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
     llm = LLM(tiny_qwen, device="cpu", max_num_seqs=4, speculative_config={
@@ -298,9 +300,19 @@ def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, draft
     spec.cost.decode_variable = lambda *a, p=spec.cost.decode_variable: priced.append(a) or p(*a)
     assert spec._opportunity_rate(40) == rate40 and spec._opportunity_rate(41) == rate40
     assert spec._opportunity_rate(60) == rate60 and priced == []  # (both groups kept)
-    spec.drafting.updates += 1  # a new survival estimate: every group priced afresh
+    spec.drafting.update_survival(np.full((3, 5), 0.5))  # a new estimate: rates stand
+    assert spec._memoized_rate(40) == rate40 and spec._memoized_rate(60) == rate60
+    spec._plans_counted += spec.rate_memo_plans - 1
+    assert spec._memoized_rate(40) == rate40
+    spec._plans_counted += 1  # (rate_memo_plans plans old)
     assert spec._memoized_rate(40) is None and spec._memoized_rate(60) is None
+    fresh = spec._opportunity_rate(40)
+    assert priced == [(40, 5)] and spec._memoized_rate(40) == fresh
+    spec.fixed_costs = spec._fixed_by_mode[False]  # another sampling mode: priced afresh
+    assert spec._memoized_rate(40) is None
+    spec.fixed_costs = spec._fixed_by_mode[True]
+    spec.drafting.survival = None  # (priced with no estimate: stands only while none comes)
+    spec._rate_memo = None
     spec._opportunity_rate(40)
-    assert priced == [(40, 5)] and spec._memoized_rate(40) is not None
-    spec._plans_counted += spec.settled_plans  # (as old as a standing plan may be)
+    spec.drafting.survival = spec.drafting._survival[True]
     assert spec._memoized_rate(40) is None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
-from dspark.spec.step_planning import SETTLED_PLANS
+from dspark.spec.step_planning import RATE_MEMO_PLANS, SETTLED_PLANS
 from dspark.testing.drafters import make_tiny_drafter
 from tests.unit.test_adaptive_engine import PROMPTS, _llm, _table
 
@@ -345,8 +345,8 @@ def test_steps_with_prefill_chunks_reuse_the_priced_decode_rate(tiny_qwen, draft
                                                                 monkeypatch):  # fmt: skip
     """A prompt arriving in chunks plans several steps in a row beside the same decoding rows;
     what decoding would earn (the drafts' opportunity rate) is priced again only once the
-    survival estimate or the acceptance ratio moved, the request count changed, or
-    SETTLED_PLANS plans went by. Output unchanged."""
+    request count changed, the first survival estimate came, or RATE_MEMO_PLANS plans went
+    by (a moved estimate or acceptance ratio waits for that). Output unchanged."""
     import dspark.spec.step_planning as sp
 
     path = _table(tmp_path, "steep", weight_read_ms=1.0, ms_per_token=0.2,
@@ -358,11 +358,11 @@ def test_steps_with_prefill_chunks_reuse_the_priced_decode_rate(tiny_qwen, draft
     mixed, plan = [], spec.plan
 
     def recording_plan(host, *room):
-        calls, updates = len(priced), spec.drafting.updates  # (what the rate is priced on)
+        calls, unsurveyed = len(priced), spec.drafting.survival is None
         budget = plan(host, *room)
         n, total, other, n_sampling, *_ = host.plan_scalars()
         if other and total:  # (a step with prefill chunks and drafts to verify)
-            mixed.append((n_sampling, updates, spec._plans_counted, len(priced) > calls))
+            mixed.append((n_sampling, unsurveyed, spec._plans_counted, len(priced) > calls))
         return budget
 
     spec.plan = recording_plan
@@ -374,9 +374,9 @@ def test_steps_with_prefill_chunks_reuse_the_priced_decode_rate(tiny_qwen, draft
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
     assert len(mixed) >= 15 and 0 < len(priced) < len(mixed)
     last = None
-    for n, updates, count, fresh in mixed:
-        if last is None or (n, updates) != last[:2] or count >= last[2] + SETTLED_PLANS:
-            assert fresh  # priced again: a new count, estimate, or SETTLED_PLANS plans on
-            last = (n, updates, count)
+    for n, unsurveyed, count, fresh in mixed:
+        if last is None or (n, unsurveyed) != last[:2] or count >= last[2] + RATE_MEMO_PLANS:
+            assert fresh  # priced again: a new count, the first estimate, RATE_MEMO_PLANS on
+            last = (n, unsurveyed, count)
         else:
             assert not fresh
