@@ -344,7 +344,7 @@ class DraftingDecision:
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
         g = self.min_predicted_gain
-        cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed)  # (probes: below)
+        cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)  # probes
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,

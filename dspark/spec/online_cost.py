@@ -192,21 +192,29 @@ class FixedCosts:
         self._term[kind].mark(b)
         self._last[kind][b] = self.steps
 
-    def plain_share(self) -> float | None:
-        """The least ratio of the plain steps' term to the speculative steps' term over the
-        batch-size buckets where this mode measured both (None: no such bucket). Most of a
-        host-bound step's fixed term is per-step host work that both kinds pay (H200, trained
-        pair, c = 64: plain 1.05 ms against speculative 1.08), so a plain step elsewhere
-        costs about this share of the speculative term there."""
-        spec, plain = self._term["spec"], self._term["plain"]
-        ratios = [p / s for b, p in plain.items() if (s := spec.get(b)) is not None and s > 0]
-        return min(ratios, default=None)
+    def plain_share(self, num_reqs: int) -> float | None:
+        """The ratio of the plain steps' term to the speculative steps' term at the batch-size
+        bucket nearest `num_reqs` (the smaller on a tie) where this mode measured both (None:
+        no such bucket). Most of a host-bound step's fixed term is per-step host work that
+        both kinds pay (H200, trained pair, c = 64: plain 1.05 ms against speculative 1.08),
+        so a plain step near there costs about this share of the speculative term. The least
+        share over all buckets (thirty-eighth session) took the 1-4 request buckets', where
+        the plain term is ~0 or below (H200, trained pair, T = 1: -0.057 ms at 1 request),
+        so plain steps at 64 requests were priced at the bare forward again and probed: 22
+        plain steps a level at 51-64 requests, thirty-ninth session."""
+        spec, plain, b = self._term["spec"], self._term["plain"], size_bucket(num_reqs)
+        both = [(abs(k - b), k) for k, s in spec.items() if s > 0 and k in plain]
+        if not both:
+            return None
+        k = min(both)[1]
+        return plain[k] / spec[k]
 
-    def plain_floor(self, spec_ms: float, plain_ms: float | None) -> float:
-        """The least a plain step's fixed term can be where the speculative steps' term is
-        `spec_ms`: the least measured share of it (0 with none measured, or a share below
-        0), or `plain_ms`, the plain term read there (None: none), if lower."""
-        share = self.plain_share()
+    def plain_floor(self, spec_ms: float, plain_ms: float | None, num_reqs: int) -> float:
+        """The least a plain step's fixed term can be at `num_reqs` requests where the
+        speculative steps' term is `spec_ms`: the share measured nearest of it (plain_share; 0
+        with none measured, or a share below 0), or `plain_ms`, the plain term read there
+        (None: none), if lower."""
+        share = self.plain_share(num_reqs)
         floor = 0.0 if share is None else max(share, 0.0) * spec_ms
         return floor if plain_ms is None else min(floor, plain_ms)
 

@@ -366,21 +366,20 @@ def test_plain_probes_only_where_plain_decoding_could_win():
     assert d._plain_probe_due(fixed, 64, 0)  # another bucket has its own schedule
 
 
-def test_plain_probes_price_plain_steps_at_their_least_measured_share():
+def test_plain_probes_price_plain_steps_at_the_nearest_measured_share():
     """Once a plain probe measured plain steps' fixed term beside the speculative one at some
-    batch size, a plain step elsewhere is priced at no less than the least such ratio times
-    the speculative term (a host's per-step work is shared by both kinds), not at the bare
-    forward: on the H200 the trained pair's plain term was 0.97x the speculative one at 64
-    requests, and probes at each smaller batch size of a level's tail ran 12 plain steps
-    each where plain decoding could not win (87 plain steps of 1,457 at c = 64)."""
+    batch size, a plain step is priced at no less than that ratio, at the nearest batch size
+    measured, times the speculative term (a host's per-step work is shared by both kinds),
+    not at the bare forward: on the H200 the trained pair's plain term was 0.97x the
+    speculative one at 64 requests, and probes at each smaller batch size of a level's tail
+    ran 12 plain steps each where plain decoding could not win (87 plain steps of 1,457 at
+    c = 64). The nearest share, not the least: the least was the 1-4 request buckets' ~0,
+    and plain steps at 51-64 requests were probed again (thirty-ninth session)."""
     import numpy as np
 
     from dspark.spec.drafting import DraftingDecision
     from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
-
-    # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
-    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
-                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    from dspark.spec.rates import decode_rates
 
     def decision(*terms: tuple[int, float, float]) -> tuple[DraftingDecision, FixedCosts]:
         fixed = FixedCosts()
@@ -393,21 +392,30 @@ def test_plain_probes_price_plain_steps_at_their_least_measured_share():
             d.update_survival(np.full((4, 4), 0.45))
         return d, fixed
 
+    # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
     d, fixed = decision()  # nothing measured: the bare forward, as before
-    assert fixed.plain_share() is None
+    assert fixed.plain_share(4) is None
     assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
     d, fixed = decision((64, 2.0, 1.8))  # plain 0.9x spec: at 4 requests >= 1.8 ms
-    assert fixed.plain_share() == pytest.approx(0.9)
+    assert fixed.plain_share(4) == pytest.approx(0.9)
     assert d._pays(cost, fixed, 4) and not d._plain_may_win
     assert not d._plain_probe_due(fixed, 4, 0)
-    # the least share counts: plain 0.1x spec at 256 requests, so plain steps at 4 requests
-    # (priced at the nearer bucket's 1.8 ms by the verdict) could still win: probed
-    d, fixed = decision((64, 2.0, 1.8), (256, 4.0, 0.4))
-    assert fixed.plain_share() == pytest.approx(0.1)
-    assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
     d, fixed = decision((64, 2.0, 1.8), (256, 4.0, -0.5))  # a negative term bounds nothing
-    assert fixed.plain_share() < 0
-    assert d._pays(cost, fixed, 4) and d._plain_probe_due(fixed, 4, 0)
+    assert fixed.plain_share(300) < 0
+    assert d._pays(cost, fixed, 4) and not d._plain_may_win  # (4: 64's share)
+    # the nearest share counts: plain 0.1x spec at 4 requests does not price plain steps at
+    # 64 requests, whose own share is 0.9 (a forward of 0.001 ms a token: drafting ahead at
+    # 64 requests of plain steps at 1.8 ms, behind plain ones at the 0.2 ms 0.1x would give)
+    flat = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.001, fixed_overhead_ms=2.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    d, fixed = decision((4, 2.0, 0.2), (64, 2.0, 1.8))
+    assert fixed.plain_share(4) == pytest.approx(0.1)
+    assert fixed.plain_share(64) == pytest.approx(0.9)
+    assert d._pays(flat, fixed, 64) and not d._plain_may_win
+    assert not d._plain_probe_due(fixed, 64, 0)
+    assert decode_rates(flat, None, 64, 0.1 * 2.0)[0] > d._numbers[1] * 1.05  # (would win)
 
 
 def test_plans_take_the_surveyed_survivals_for_steps_with_no_known_row(tiny_qwen, drafter,
