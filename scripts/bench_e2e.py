@@ -190,15 +190,19 @@ def run_interleaved(args, temps) -> dict:
             parts: dict[str, list] = {arm: [] for arm in names}
             for j, level in enumerate(levels):
                 rounds: dict[str, list] = {arm: [] for arm in names}
+                orders = []  # (the arms' order in each round: e2e_report.order_balanced)
                 for r in range(args.rounds):
                     first = (j + r) % len(names)
-                    for arm in names[first:] + names[:first]:
+                    orders.append(names[first:] + names[:first])
+                    for arm in orders[-1]:
                         tag = f"_r{r}" if args.rounds > 1 else ""
                         out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}{tag}.json")
                         rounds[arm].append(sweep(args, urls[arm], arm, t, levels=level, out=out,
                                                  warmup=None if j == r == 0 else 0, seed=j))
                 for arm in names:
                     parts[arm].append(median_round(rounds[arm]))
+                    if args.rounds > 1:
+                        parts[arm][-1]["results"][0]["rounds_order"] = orders
             for arm in names:
                 merged = dict(parts[arm][0], results=[lv for p in parts[arm]
                                                       for lv in p["results"]])  # fmt: skip
@@ -353,7 +357,9 @@ def main() -> int:
            "700 W cap the H200's clock drops in compute-bound prefill steps)")
     a("--rounds", type=int, default=1,
       help="with --interleave: each level measured this many times per arm, the median "
-           "kept (the offline sweep's too)")
+           "kept (the offline sweep's too); the report also balances the rounds for run "
+           "order (e2e_report.order_balanced): with two arms an even count runs each first "
+           "as often")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--no-engine-process", dest="engine_process", action="store_false",

@@ -3,6 +3,7 @@ per-level diagnostics the servers' /metrics gave (see print_table)."""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -42,6 +43,50 @@ def paired_by_round(levels: list[dict], against: int | None = None) -> list[floa
     nospec, fixed, adaptive = rounds
     base = [max(n, f) for n, f in zip(nospec, fixed)] if against is None else rounds[against]
     return [a / b - 1.0 for a, b in zip(adaptive, base)]
+
+
+def order_balanced(adaptive: list[float], base: list[float],
+                   adaptive_first: list[bool]) -> float | None:  # fmt: skip
+    """Adaptive over a base arm from the rounds of one level, balanced for run order: the
+    mean log-ratio over the rounds adaptive ran first and that over the rounds it ran second,
+    averaged. On the H200 the arm run second was the faster in every round pair of a served
+    level (thirty-ninth session: +23.3, +8.5, +1.2%), so with 3 rounds alternating the order
+    the arm that ran second twice is favoured by the median round and by the median pair.
+    None: one of the two orders never ran."""
+    groups: tuple[list, list] = ([], [])
+    for a, b, first in zip(adaptive, base, adaptive_first, strict=True):
+        if a > 0 and b > 0:
+            groups[first].append(math.log(a / b))
+    if not (groups[0] and groups[1]):
+        return None
+    return math.exp((statistics.fmean(groups[0]) + statistics.fmean(groups[1])) / 2) - 1
+
+
+def balanced_cell(adaptive: dict, base: dict, key: str, names: tuple[str, str]) -> str | None:
+    """One level's order-balanced ratio of arm names[0] (row `adaptive`) over names[1] (row
+    `base`), each row holding its rounds' throughput under `key` and the arms' order in each
+    round under "rounds_order"; then each round's ratio, marked A where adaptive ran first.
+    None: no rounds, or one order never ran."""
+    a, b, orders = adaptive.get(key), base.get(key), adaptive.get("rounds_order")
+    if not (a and b and orders) or not (len(a) == len(b) == len(orders)):
+        return None
+    first = [o.index(names[0]) < o.index(names[1]) for o in orders]
+    ratio = order_balanced(a, b, first)
+    if ratio is None:
+        return None
+    pairs = " / ".join(f"{x / y - 1:+.1%}{'A' if f else ''}" for x, y, f in zip(a, b, first))
+    return f"c={adaptive['max_concurrency']} {ratio:+.1%} ({pairs})"
+
+
+def print_balanced(names: list[str], adaptive_rows: list[dict], base_rows: list[dict],
+                   key: str, what: str) -> None:  # fmt: skip
+    """The order-balanced line of arm names[-1] over names[-2] across a sweep's levels."""
+    cells = [balanced_cell(a, b, key, (names[-1], names[-2]))
+             for a, b in zip(adaptive_rows, base_rows)]  # fmt: skip
+    if any(cells):
+        print(f"{names[-1]} vs {names[-2]} {what}, order-balanced (the mean log-ratio of the "
+              f"rounds {names[-1]} ran first, A, and of those it ran second, averaged; each "
+              "round's ratio): " + ", ".join(c for c in cells if c))
 
 
 def shared_host_by_round(levels: list[dict]) -> list[float] | None:
@@ -114,6 +159,8 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
                       + ", ".join(f"c={lvl['max_concurrency']} " + " ".join(
                           f"{x:+.1%} ({h:.2f}x)" for x, h in zip(f, sh))
                           for lvl, f, sh in zip(levels, arms[0], shared) if f and sh))
+        print_balanced(names, results[(names[-1], t)]["results"],
+                       results[(names[-2], t)]["results"], "rounds_output_throughput", "served")
         deltas = [(r.get("spec_decode") or {}).get("metrics_delta") or r.get("spec_decode")
                   or {} for r in results[(names[-1], t)]["results"]]  # fmt: skip
         kinds = [d.get("steps_by_kind") for d in deltas]
@@ -224,6 +271,9 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
                 cells = "; ".join(f"c={lv['max_concurrency']} " + "/".join(
                     f"{x:.0f}" for x in lv.get("rounds", ())) for lv in rows)  # fmt: skip
                 print(f"{n} offline rounds at T={t:g}, tok/s in run order: {cells}")
+            rows = [(done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+                    for n in names[-2:]]  # fmt: skip
+            print_balanced(names, rows[1], rows[0], "rounds", f"offline at T={t:g}")
     for n in names:
         if n in done and done[n].get("cost_table"):
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")

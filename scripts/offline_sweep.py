@@ -163,12 +163,15 @@ def with_served_table(spec: dict | None, out_dir: str, arm: str) -> dict | None:
     return dict(spec, cost_table_path=path)
 
 
-def median_round(rounds: list[dict]) -> dict:
+def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> dict:
     """The round of median output throughput (the lower middle one of an even count), with
-    every round's throughput in run order under "rounds"."""
+    every round's throughput in run order under "rounds" and, given, the order the arms ran
+    in each round under "rounds_order" (e2e_report.order_balanced reads both)."""
     ordered = sorted(rounds, key=lambda r: r["output_throughput"])
-    return dict(ordered[(len(ordered) - 1) // 2],
-                rounds=[r["output_throughput"] for r in rounds])  # fmt: skip
+    row = dict(ordered[(len(ordered) - 1) // 2], rounds=[r["output_throughput"] for r in rounds])
+    if orders is not None:
+        row["rounds_order"] = orders
+    return row
 
 
 def _open(args, arm: str, spec: dict | None, levels: list[int]):
@@ -246,12 +249,15 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
         for t in temps:
             for c in levels:
                 runs: dict[str, list[dict]] = {arm: [] for arm, _ in engines}
+                orders = []
                 for r in range(rounds):
-                    for arm, llm in engines if r % 2 == 0 else engines[::-1]:
+                    order = engines if r % 2 == 0 else engines[::-1]
+                    orders.append([arm for arm, _ in order])
+                    for arm, llm in order:
                         salt = f"offline-t{t:g}-c{c}-r{r}-"
                         runs[arm].append(_level(args, llm.engine, t, c, salt))
                 for arm, rows in runs.items():
                     by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])
-                    by_t.append(median_round(rows))
+                    by_t.append(median_round(rows, orders))
                 if on_arm is not None:
                     on_arm(result)

@@ -190,7 +190,32 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
         for r in rows:
             assert len(r["rounds"]) == 3 and r["completed"] == r["num_prompts"] == 3
             assert r["output_throughput"] == sorted(r["rounds"])[1]  # the median round
+            assert r["rounds_order"] == [["nospec", "adaptive3"], ["adaptive3", "nospec"],
+                                         ["nospec", "adaptive3"]]  # (as they ran)
     assert res["arms"]["adaptive3"]["cost_table"] is not None
+
+
+def test_order_balanced_ratios_weigh_each_run_order_alike():
+    """The served c = 64 rounds of the thirty-ninth session (fixed K / adaptive tok/s; adaptive
+    ran second, first, second): the arm run second was faster in each pair, and the two rounds
+    adaptive ran second count as one, against the one it ran first; an order never run gives
+    nothing; balanced_cell marks the rounds adaptive ran first."""
+    import math
+
+    from e2e_report import balanced_cell, order_balanced
+
+    fixed, adaptive = [53128.0, 64306.0, 54828.0], [65505.0, 59265.0, 55490.0]
+    first = [False, True, False]
+    second = (math.log(65505 / 53128) + math.log(55490 / 54828)) / 2
+    want = math.exp((second + math.log(59265 / 64306)) / 2) - 1
+    assert order_balanced(adaptive, fixed, first) == pytest.approx(want)
+    assert 0.01 < want < 0.02  # (the median round said +8.1%)
+    assert order_balanced(adaptive, fixed, [False] * 3) is None
+    orders = [["fixed7", "adaptive7"], ["adaptive7", "fixed7"], ["fixed7", "adaptive7"]]
+    a = {"max_concurrency": 64, "rounds": adaptive, "rounds_order": orders}
+    cell = balanced_cell(a, {"rounds": fixed}, "rounds", ("adaptive7", "fixed7"))
+    assert cell == f"c=64 {want:+.1%} (+23.3% / -7.8%A / +1.2%)"
+    assert balanced_cell(a, {"rounds": fixed[:2]}, "rounds", ("adaptive7", "fixed7")) is None
 
 
 def test_median_round_is_the_lower_middle_by_throughput():

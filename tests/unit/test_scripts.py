@@ -236,6 +236,12 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
         # ... and against each arm alone: one median per arm and level
         alone = [ln for ln in proc.stdout.splitlines() if "median of the round pairs" in ln]
         assert len(alone) == 1 and alone[0].count("%") == 2 * 2 and "c=2 " in alone[0]
+        # ... and balanced for run order, where adaptive ran both before fixed K and after it:
+        # at c = 2 only (rotations f a n, then a n f; at c = 1 n f a, then f a n), one line
+        # per temperature, the round adaptive ran first marked A
+        balanced = [ln for ln in proc.stdout.splitlines() if "order-balanced" in ln]
+        assert len(balanced) == (1 if synthetic else 2), balanced
+        assert all("c=2 " in ln and "c=1 " not in ln and ln.endswith("%A)") for ln in balanced)
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
     temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
