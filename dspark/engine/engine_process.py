@@ -27,14 +27,20 @@ logger = logging.getLogger(__name__)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def core_process_main(config, cmd_conn, evt_conn, log_level: int, setup=None) -> None:
-    """The child: load, announce, serve until stopped (or orphaned)."""
+def core_process_main(config, cmd_conns, evt_conns, log_level: int, setup=None) -> None:
+    """The child: load, announce, serve until stopped (or orphaned). `cmd_conns` /
+    `evt_conns`: one pipe end each, or a list with one per API-server process
+    (server_links.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the server process's call
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     from dspark.engine.cpu_affinity import pin_from_env
     from dspark.engine.engine_core import EngineCore
     from dspark.engine.llm_engine import LLMEngine
+    from dspark.engine.server_links import ServerLinks
 
+    if not isinstance(cmd_conns, list):
+        cmd_conns, evt_conns = [cmd_conns], [evt_conns]
+    links = ServerLinks(cmd_conns, evt_conns)
     try:
         pin_from_env()  # DSPARK_ENGINE_CPUS (before loading: the loader's threads inherit it)
         engine = LLMEngine(config)
@@ -42,47 +48,45 @@ def core_process_main(config, cmd_conn, evt_conn, log_level: int, setup=None) ->
             setup(engine)
     except Exception as e:  # noqa: BLE001 - report any loading failure plainly
         logger.debug("cannot load the engine", exc_info=True)
-        evt_conn.send([("failed", f"{type(e).__name__}: {e}")])
+        links.emit([("failed", f"{type(e).__name__}: {e}")])
         return
-    core = EngineCore(engine, evt_conn.send, deltas=True)
-    evt_conn.send([("ready", {"max_model_len": engine.max_model_len})])
-
-    def read_commands() -> None:
-        try:
-            while True:
-                core.submit(cmd_conn.recv())
-        except (EOFError, OSError):  # the server's process is gone: abort everything, end
-            core.submit(("drain", 0.0))
-            core.submit(("stop",))
-
-    threading.Thread(target=read_commands, name="dspark-commands", daemon=True).start()
+    core = EngineCore(engine, links.emit, deltas=True)
+    links.emit([("ready", {"max_model_len": engine.max_model_len})])
+    links.start_readers(core.submit)
     try:
         core.run()
     finally:
         engine.runner.shutdown()  # tensor-parallel workers, if any
-        try:
-            evt_conn.send([("exited",)])
-        except OSError:
-            pass
+        links.emit([("exited",)])
 
 
 class ProcessCore:
     """The server's handle on an engine process (the same interface as ThreadCore)."""
 
-    def __init__(self, config, log_level: int | None = None, setup=None):
+    # with an engine process started elsewhere (attached): the most seconds join() waits for
+    # it to exit (None: as long as it takes); its pipes are then closed, which aborts this
+    # server's requests still there (server_links.py)
+    join_timeout_s: float | None = None
+
+    def __init__(self, config, log_level: int | None = None, setup=None, pipes=None):
         """Start the engine process for `config` and wait until it has loaded. `setup`: a
         picklable callable the child applies to its LLMEngine before serving (benchmarks:
-        scripts/server_host_ceiling.py stubs the device work with it)."""
-        ctx = mp.get_context("spawn")  # (never fork a process that may hold CUDA state)
-        cmd_r, self._cmd = ctx.Pipe(duplex=False)
-        self._evt, evt_w = ctx.Pipe(duplex=False)
-        level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
-        # not a daemon: a tensor-parallel engine starts worker processes of its own
-        self.proc = ctx.Process(target=core_process_main, name="dspark-engine-core",
-                                args=(config, cmd_r, evt_w, level, setup))  # fmt: skip
-        self.proc.start()
-        cmd_r.close()
-        evt_w.close()
+        scripts/server_host_ceiling.py stubs the device work with it). `pipes`: (command
+        pipe's sending end, event pipe's receiving end) of an engine process already started
+        for several API servers (multi_server.py): attach to it instead."""
+        if pipes is not None:
+            (self._cmd, self._evt), self.proc = pipes, None
+        else:
+            ctx = mp.get_context("spawn")  # (never fork a process that may hold CUDA state)
+            cmd_r, self._cmd = ctx.Pipe(duplex=False)
+            self._evt, evt_w = ctx.Pipe(duplex=False)
+            level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+            # not a daemon: a tensor-parallel engine starts worker processes of its own
+            self.proc = ctx.Process(target=core_process_main, name="dspark-engine-core",
+                                    args=(config, cmd_r, evt_w, level, setup))  # fmt: skip
+            self.proc.start()
+            cmd_r.close()
+            evt_w.close()
         # at interpreter exit, before multiprocessing joins its children: close the command
         # pipe, so that a child not stopped yet drains and exits instead of waiting forever
         mp.util.Finalize(self, self._cmd.close, exitpriority=10)
@@ -106,10 +110,13 @@ class ProcessCore:
                     kind, rest = "exited", []
                 if kind == "ready":
                     return rest[0]
-                self.proc.join(10)
+                if self.proc is not None:
+                    self.proc.join(10)
                 if kind == "failed":
                     raise RuntimeError(rest[0])
-            if not self.proc.is_alive():
+                if self.proc is None:
+                    raise RuntimeError("the engine process exited while loading")
+            if self.proc is not None and not self.proc.is_alive():
                 raise RuntimeError(f"the engine process exited while loading (exit code "
                                    f"{self.proc.exitcode})")  # fmt: skip
 
@@ -133,9 +140,11 @@ class ProcessCore:
                 logger.exception("engine events dropped: %s", [e[0] for e in events])
             if self._exited:
                 return
-        self.proc.join(5)  # the pipe closed without "exited": the child died
-        on_events([("dead", f"the engine process exited unexpectedly (exit code "
-                            f"{self.proc.exitcode})")])  # fmt: skip
+        code = "unknown"
+        if self.proc is not None:
+            self.proc.join(5)  # the pipe closed without "exited": the child died
+            code = self.proc.exitcode
+        on_events([("dead", f"the engine process exited unexpectedly (exit code {code})")])
 
     def _hand_over(self, events: list[tuple], on_events) -> None:
         for i, event in enumerate(events):
@@ -156,12 +165,15 @@ class ProcessCore:
             logger.debug("engine process gone; command %r dropped", cmd[0])
 
     def is_alive(self) -> bool:
+        if self.proc is None:
+            return not self._exited and self._reader is not None and self._reader.is_alive()
         return not self._exited and self.proc.is_alive()
 
     def join(self) -> None:
         if self._reader is not None:
-            self._reader.join()
-        self.proc.join()
+            self._reader.join(self.join_timeout_s if self.proc is None else None)
+        if self.proc is not None:
+            self.proc.join()
 
     def num_waiting(self) -> int:  # (of the latest snapshot: at most ~0.1 s old while busy)
         return self._counts[0]
@@ -170,6 +182,10 @@ class ProcessCore:
         return self._counts[1]
 
     def close(self) -> None:
+        if self.proc is None:  # (attached: the engine process is its starter's to end)
+            self._cmd.close()
+            self._evt.close()
+            return
         self.proc.join(30)
         if self.proc.is_alive():
             logger.warning("the engine process did not exit: terminating it")

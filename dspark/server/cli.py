@@ -55,6 +55,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-engine-process", dest="engine_process", action="store_false",
       help="run the engine in a thread of the server's process (default: a process of its "
            "own, so HTTP streaming and the engine's host work do not share one GIL)")
+    a("--api-server-count", type=_positive_int, default=1,
+      help="API-server processes in front of the one engine process (sharing the port): one "
+           "tops out at about a core of HTTP and detokenizing")
     a("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
       help="shard the model over N GPUs (N processes started by the server)")
     a("--load-format", default="auto", choices=["auto", "dummy"],
@@ -149,6 +152,17 @@ def run_serve(args: argparse.Namespace) -> int:
             "serving the bundled default model %s: it is a tiny RANDOM model, so its text is "
             "gibberish. Pass --model to serve a real checkpoint.", config.model,
         )  # fmt: skip
+    if args.api_server_count > 1:
+        if not args.engine_process:
+            print("dspark serve: error: --api-server-count above 1 needs the engine process "
+                  "(drop --no-engine-process)", file=sys.stderr)  # fmt: skip
+            return 2
+        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            logger.warning("listening on %s without --api-key: anyone who can reach it can use "
+                           "it", args.host)  # fmt: skip
+        from dspark.server.multi_server import run_multi_server
+
+        return run_multi_server(args, config, name, api_key)
     import uvicorn
 
     from dspark.engine.async_engine import AsyncLLMEngine

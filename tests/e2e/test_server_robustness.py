@@ -252,6 +252,7 @@ def test_sigterm_drains_then_aborts_cleanly(tiny_qwen):
         (["--speculative-config", '{"model": "d", "frobs": 1}'], "unknown speculative_config"),
         (["--speculative-config", '{"num_speculative_tokens": 3}'], "speculative_config.model"),
         (["--max-model-len", "1"], "max_model_len"),
+        (["--api-server-count", "2", "--no-engine-process"], "needs the engine process"),
     ],
 )
 def test_cli_rejects_bad_configuration(tiny_qwen, capsys, argv, message):

@@ -1,0 +1,110 @@
+"""`dspark serve --api-server-count 2`: two API-server processes in front of one engine
+process, sharing the port. Both serve, with the offline engine's tokens; one dying takes only
+its own requests; SIGTERM to the server stops all of it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dspark import LLM, SamplingParams
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+MAX_MODEL_LEN = 256
+PROMPTS = [f"def f{i}(x):" for i in range(24)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def multi(tiny_qwen):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark", "serve", "--model", tiny_qwen, "--device", "cpu",
+         "--port", str(port), "--api-server-count", "2", "--served-model-name", "tiny",
+         "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "160",
+         "--shutdown-timeout", "5"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    assert proc.poll() is None, proc.stdout.read()
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def _complete(base: str, prompt: str, max_tokens: int = 12):
+    # a new connection per request: the kernel spreads connections over the servers
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True})  # fmt: skip
+    return r
+
+
+def test_both_servers_serve_the_offline_engines_tokens(multi, tiny_qwen):
+    _, base = multi
+    llm = LLM(tiny_qwen, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=160, seed=0)
+    want = [o.outputs[0].text for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _complete(base, p), PROMPTS))
+    assert all(r.status_code == 200 for r in got), [r.text for r in got]
+    assert [r.json()["choices"][0]["text"] for r in got] == want
+    assert {r.headers["x-dspark-api-server"] for r in got} == {"0", "1"}
+    # bad input is one request's error, named by field, on whichever server takes it
+    bad = httpx.post(f"{base}/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "x", "max_tokens": 10 * MAX_MODEL_LEN})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    # the engine's counters are shared: either server's /metrics counts every request's
+    # tokens (from the engine's snapshots, which follow within a second when it goes idle)
+    for _ in range(4):  # (new connections: both servers' answers)
+        deadline, tokens = time.monotonic() + 10, 0.0
+        while tokens < 12 * len(PROMPTS) and time.monotonic() < deadline:
+            text = httpx.get(f"{base}/metrics", timeout=10).text
+            tokens = sum(float(ln.split()[-1]) for ln in text.splitlines()
+                         if ln.startswith("dspark_generation_tokens_total"))  # fmt: skip
+            time.sleep(0.2)
+        assert tokens >= 12 * len(PROMPTS), text
+
+
+def test_a_dead_server_takes_only_its_requests_then_sigterm_stops_all(multi):
+    proc, base = multi
+    pids = {}
+    for p in PROMPTS:  # (find both servers' process ids)
+        r = _complete(base, p, 2)
+        pids[r.headers["x-dspark-api-server"]] = int(r.headers["x-dspark-api-server-pid"])
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2
+    os.kill(pids["1"], signal.SIGKILL)  # (its requests in flight, if any, are aborted)
+    time.sleep(0.5)
+    for p in PROMPTS[:6]:  # the other one serves every new connection
+        r = _complete(base, p, 4)
+        assert r.status_code == 200 and r.headers["x-dspark-api-server"] == "0"
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out  # (one server did not exit cleanly: the one killed)
+    assert "dspark-api-server-1 exited with code -9" in out, out
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids["0"], 0)
