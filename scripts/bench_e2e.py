@@ -83,6 +83,8 @@ def engine_flags(args) -> list[str]:
              "--device", args.device]  # fmt: skip
     if args.num_kv_blocks:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.api_server_count > 1:
+        flags += ["--api-server-count", str(args.api_server_count)]
     return flags
 
 
@@ -362,6 +364,9 @@ def main() -> int:
            "as often")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
+    a("--api-server-count", type=int, default=1,
+      help="each server's API-server processes (dspark serve --api-server-count): one caps "
+           "a small pair's serving sweep at about a core of HTTP")
     a("--no-engine-process", dest="engine_process", action="store_false",
       help="servers run their engine in a thread (dspark serve --no-engine-process)")
     a("--engine-cpus", default=None, metavar="LIST",
@@ -390,6 +395,8 @@ def main() -> int:
         ap.error("--identity-prompts must be >= 0 (0: skip the offline pass)")
     if args.identity_tokens < 1:
         ap.error("--identity-tokens must be >= 1")
+    if args.api_server_count < 1 or (args.api_server_count > 1 and not args.engine_process):
+        ap.error("--api-server-count must be >= 1, and above 1 only with the engine process")
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
         ap.error("--interleave needs --num-kv-blocks (the first server would take the memory)")
     os.makedirs(args.out, exist_ok=True)

@@ -94,9 +94,14 @@ async def fetch_spec_counters(session: aiohttp.ClientSession, cfg: BenchConfig) 
             if resp.status != 200:
                 return None
             text = await resp.text()
+            one_of_several = "x-dspark-api-server" in resp.headers
     except Exception:  # noqa: BLE001 - metrics are optional
         return None
-    return counters_from_text(text)
+    counters = counters_from_text(text)
+    if counters is not None and one_of_several:  # (dspark serve --api-server-count N: this
+        # page's process CPU is one API server's, and the next scrape may reach another)
+        counters.pop("cpu:server", None)
+    return counters
 
 
 def counters_from_text(text: str) -> dict | None:

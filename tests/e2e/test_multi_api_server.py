@@ -87,6 +87,27 @@ def test_both_servers_serve_the_offline_engines_tokens(multi, tiny_qwen):
         assert tokens >= 12 * len(PROMPTS), text
 
 
+def test_bench_serve_measures_it_without_one_servers_cpu_as_the_servers(multi, tmp_path):
+    """`dspark bench serve` against two API servers: every request completes, and the level's
+    host CPU has the engine's and the client's figures but no "server" one (each /metrics
+    scrape reaches one server of two, its process CPU only)."""
+    import json
+
+    _, base = multi
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark", "bench", "serve", "--base-url", base, "--model", "tiny",
+         "--dataset", "random", "--random-input-len", "8", "--random-output-len", "6",
+         "--num-prompts", "16", "--max-concurrency", "8", "--ignore-eos", "--warmup", "0",
+         "--save-result", str(out), "--disable-tqdm"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    level = json.loads(out.read_text())["results"][0]
+    assert level["completed"] == 16 and level["output_throughput"] > 0
+    assert "engine" in level["host_cpu"] and "server" not in level["host_cpu"], level["host_cpu"]
+
+
 def test_a_dead_server_takes_only_its_requests_then_sigterm_stops_all(multi):
     proc, base = multi
     pids = {}
