@@ -35,8 +35,9 @@
 #           -> $OUT/diag_adaptive.*
 #   cpumap  how fast each CPU runs Python, alone and in pairs (scripts/cpu_speed_map.py; ~1 min)
 #           -> $OUT/cpumap.log
-#   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1 min), also
-#           with uvicorn on uvloop + httptools (from .whl) -> $OUT/ceiling.log
+#   ceiling the serving path's host ceiling on this machine's CPU (no GPU work; ~1-2 min), also
+#           with uvicorn on uvloop + httptools (from .whl) and with 2 / 4 API-server
+#           processes (--api-server-count)                          -> $OUT/ceiling.log
 # Extra arguments: TRAIN_ARGS for train_pair.py, DEMO_ARGS for demo_e2e's bench_e2e.py run
 # (default above; E2E_ARGS, when set, serves there too), E2E_ARGS for the other bench_e2e.py
 # runs (default "--num-prompts 8 --warmup 8": one sweep of 3 arms x 7 levels x 2 temperatures fits a 10-minute
@@ -204,9 +205,17 @@ if has ceiling; then  # the demo pair on the CPU, device work stubbed (server_ho
     2>&1 | grep -v WARNING
   # (the engine process, as `dspark serve` runs; each line ends with the cores each process
   # kept busy: client, server, engine; one near 1.00 is the bound)
-  for args in "--policy none --engine-process" "--policy fixed --engine-process" \
-      "--policy none --engine-process --device-ms 1" \
-      "--policy none --engine-process --loop uvloop --http httptools" "--policy none"; do
+  # (--api-server-count N: N API-server processes in front of the engine process, sharing
+  # the port; at c = 1 the one measured request may reach a server no warm-up request did,
+  # and stream bunched; CEILING_ARGS: one configuration instead, e.g. "--policy none
+  # --api-server-count 4")
+  configs=("--policy none --engine-process" "--policy fixed --engine-process"
+    "--policy none --engine-process --device-ms 1"
+    "--policy none --engine-process --loop uvloop --http httptools" "--policy none"
+    "--policy none --api-server-count 2" "--policy none --api-server-count 4"
+    "--policy fixed --api-server-count 4")
+  [[ -n "${CEILING_ARGS:-}" ]] && configs=("$CEILING_ARGS")
+  for args in "${configs[@]}"; do
     CUDA_VISIBLE_DEVICES= PYTHONPATH=$PYTHONPATH:/tmp/uvx python3 \
       scripts/server_host_ceiling.py $args --concurrency 1,64,256 \
       2>&1 | grep -E "^policy|Error" | sed "s/^/[$args] /"

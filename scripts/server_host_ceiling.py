@@ -48,9 +48,43 @@ def stub_engine(engine, device_ms: float, tokenless: bool) -> None:
         engine.tokenizer = None
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_multi(config, setup, count: int):
+    """`dspark serve --api-server-count count` on the stubbed engine: (stop, url)."""
+    import httpx
+
+    from dspark.server.multi_server import start_multi_server, stop_servers, wait_multi_server
+
+    port = _free_port()
+    ns = argparse.Namespace(host="127.0.0.1", port=port, log_level="warning",
+                            shutdown_timeout=5.0, max_body_bytes=1 << 20, max_waiting=4096,
+                            api_server_count=count)  # fmt: skip
+    engine, servers = start_multi_server(ns, config, "demo", None, setup=setup)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+    def stop() -> None:
+        stop_servers(servers)
+        wait_multi_server(engine, servers)
+
+    return stop, url
+
+
 def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: float,
                  async_scheduling: bool = True, loop: str = "asyncio", http: str = "h11",
-                 engine_process: bool = False):  # fmt: skip
+                 engine_process: bool = False, api_servers: int = 1):  # fmt: skip
+    """The stubbed server: (stop, the LLMEngine when it runs in this process, url)."""
     import uvicorn
 
     from dspark.config import EngineConfig
@@ -63,6 +97,9 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
                           speculative_config=demo_spec(policy, always_draft=False),
                           max_num_batched_tokens=16384, async_scheduling=async_scheduling)
     setup = functools.partial(stub_engine, device_ms=device_ms, tokenless=tokenless)
+    if api_servers > 1:
+        stop, url = start_multi(config, setup, api_servers)
+        return stop, None, url
     if engine_process:
         engine = AsyncLLMEngine(core=ProcessCore(config, setup=setup))
         if tokenless:
@@ -71,9 +108,7 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
         llm_engine = LLMEngine(config)
         setup(llm_engine)
         engine = AsyncLLMEngine(llm_engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     config = uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port, loop=loop,
                             http=http, log_level="warning", access_log=False)  # fmt: skip
     server = uvicorn.Server(config)
@@ -81,7 +116,12 @@ def start_server(policy: str, max_num_seqs: int, tokenless: bool, device_ms: flo
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+    return stop, engine.engine, f"http://127.0.0.1:{port}"
 
 
 def bench(url: str, conc: int, tokens: int, out: str) -> dict:
@@ -111,16 +151,20 @@ def main() -> int:
                     help="no-spec engine schedules each step after the previous one")
     ap.add_argument("--engine-process", action="store_true",
                     help="the engine in a process of its own, as `dspark serve` runs it")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API-server processes in front of the engine process (dspark serve "
+                         "--api-server-count; uvicorn's default loop and HTTP parser)")
     args = ap.parse_args()
+    if args.api_server_count > 1 and args.tokenless:
+        ap.error("--tokenless works with one API server only")
     torch.set_num_threads(1)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     conc = [int(c) for c in args.concurrency.split(",")]
-    server, thread, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms,
-                                       args.async_scheduling, args.loop, args.http,
-                                       args.engine_process)  # fmt: skip
-    try:
-        engine = server.config.app.state.engine.engine  # (None in the engine process)
+    stop, engine, url = start_server(args.policy, max(conc), args.tokenless, args.device_ms,
+                                     args.async_scheduling, args.loop, args.http,
+                                     args.engine_process, args.api_server_count)  # fmt: skip
+    try:  # (engine: None in an engine process)
         waits = [] if engine is None else engine.runner.step_graphs.wait_overshoot_ms
         for c in conc:
             waits.clear()
@@ -132,7 +176,8 @@ def main() -> int:
             print(f"policy {args.policy}{' tokenless' if args.tokenless else ''}"
                   f"{' engine-process' if args.engine_process else ''}"
                   f"{'' if args.loop == 'asyncio' else ' ' + args.loop}"
-                  f"{'' if args.http == 'h11' else ' ' + args.http}, "
+                  f"{'' if args.http == 'h11' else ' ' + args.http}"
+                  f"{'' if args.api_server_count == 1 else f' x{args.api_server_count} servers'}, "
                   f"concurrency {c}: {r['output_throughput']:.0f} output tok/s, "
                   f"TPOT p50 {r['tpot_ms']['p50']:.2f} ms, ITL p50 {r['itl_ms']['p50']:.2f} ms"
                   f"{late}; cores busy " + " ".join(
@@ -143,8 +188,7 @@ def main() -> int:
                 print("  engine host ms per step: " + " ".join(
                     f"{k} {v:.3f}" for k, v in sorted(host.items())), flush=True)
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        stop()
     return 0
 
 

@@ -98,9 +98,9 @@ def api_server_main(args, config, name: str, api_key: str | None, index: int, cm
     raise SystemExit(0 if engine.dead_error is None else 1)
 
 
-def run_multi_server(args, config, name: str, api_key: str | None) -> int:
-    """Start the engine process and args.api_server_count API servers; wait for the servers,
-    then for the engine. Returns 0 when every server exited cleanly."""
+def start_multi_server(args, config, name: str, api_key: str | None, setup=None) -> tuple:
+    """Start the engine process (`setup`: as ProcessCore's) and args.api_server_count API
+    servers. Returns (engine process, server processes); no pipe end stays here."""
     from dspark.engine.engine_process import core_process_main
 
     ctx = mp.get_context("spawn")  # (never fork a process that may hold CUDA state)
@@ -110,37 +110,54 @@ def run_multi_server(args, config, name: str, api_key: str | None) -> int:
     level = logging.getLogger().getEffectiveLevel()
     # not a daemon: a tensor-parallel engine starts worker processes of its own
     engine = ctx.Process(target=core_process_main, name="dspark-engine-core",
-                         args=(config, [r for r, _ in cmd], [w for _, w in evt], level))
+                         args=(config, [r for r, _ in cmd], [w for _, w in evt], level, setup))
     engine.start()
     servers = [ctx.Process(target=api_server_main, name=f"dspark-api-server-{i}",
                            args=(args, config, name, api_key, i, cmd[i][1], evt[i][0]))
                for i in range(n)]  # fmt: skip
     for proc in servers:
         proc.start()
-    # this process keeps no pipe end: each closes when its two holders are gone (EOF)
+    # each pipe closes when its two holders are gone (EOF), so this process keeps no end
     for conn in (c for pair in cmd + evt for c in pair):
         conn.close()
+    return engine, servers
 
-    def forward(sig, frame) -> None:
-        logger.info("shutting down %d API servers", n)
-        for proc in servers:
-            if proc.is_alive() and proc.pid is not None:
-                try:
-                    os.kill(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    logger.info("serving %r with %d API-server processes on http://%s:%d", name, n, args.host,
-                args.port)  # fmt: skip
+def stop_servers(servers: list) -> None:
+    """SIGTERM to every API server still running (each drains: GracefulServer)."""
+    for proc in servers:
+        if proc.is_alive() and proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def wait_multi_server(engine, servers: list) -> int:
+    """Wait for every API server, then for the engine (which stops once they are gone);
+    0 when every server exited cleanly."""
     for proc in servers:
         proc.join()
         if proc.exitcode != 0:
             logger.warning("API server %s exited with code %s", proc.name, proc.exitcode)
-    engine.join(30)  # (every server gone: the engine drains and stops)
+    engine.join(30)
     if engine.is_alive():
         logger.warning("the engine process did not exit: terminating it")
         engine.terminate()
         engine.join(10)
     return 0 if all(p.exitcode == 0 for p in servers) else 1
+
+
+def run_multi_server(args, config, name: str, api_key: str | None) -> int:
+    """`dspark serve --api-server-count N`: start, pass SIGTERM / SIGINT on, wait."""
+    engine, servers = start_multi_server(args, config, name, api_key)
+
+    def forward(sig, frame) -> None:
+        logger.info("shutting down %d API servers", len(servers))
+        stop_servers(servers)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    logger.info("serving %r with %d API-server processes on http://%s:%d", name, len(servers),
+                args.host, args.port)  # fmt: skip
+    return wait_multi_server(engine, servers)

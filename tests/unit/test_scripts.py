@@ -332,17 +332,21 @@ def test_diag_step_paths_smoke(tmp_path):
     assert all(float(r[2]) > 0 and float(r[-2]) > 0 for r in rows[:4])
 
 
-def test_server_host_ceiling_streams_every_step():
+@pytest.mark.parametrize("servers", [1, 2])
+def test_server_host_ceiling_streams_every_step(servers):
     """The host-ceiling harness serves over HTTP with the device work stubbed; its requests
-    must stream (one chunk per step, not one at the end: the LLM wrapper turns streaming off)."""
+    must stream (one chunk per step, not one at the end: the LLM wrapper turns streaming off);
+    also with two API-server processes in front of the (stubbed) engine process."""
     proc = subprocess.run(
         [sys.executable, "scripts/server_host_ceiling.py", "--policy", "lagged", "--concurrency",
-         "4", "--tokens", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+         "4", "--tokens", "16", "--api-server-count", str(servers)], cwd=ROOT,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip().splitlines()[-1]
-    assert line.startswith("policy lagged, concurrency 4:") and "TPOT p50" in line
-    assert float(line.split()[4]) > 0  # output tok/s
+    name = "policy lagged" + ("" if servers == 1 else f" x{servers} servers")
+    assert line.startswith(f"{name}, concurrency 4:") and "TPOT p50" in line
+    assert float(line.split(": ", 1)[1].split()[0]) > 0  # output tok/s
 
 
 @pytest.mark.parametrize("cold", [False, True])
