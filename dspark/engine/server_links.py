@@ -12,7 +12,7 @@ one with the default single server).
   server. A pipe whose server is gone is dropped, and the others keep being served.
 
 Invariant: a request id is owned by at most one server, from its "add" until its final
-output or its rejection.
+output, its rejection or its abort.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class ServerLinks:
                     if len(self._evt) > 1:
                         self._owner[cmd[1]] = i  # (before the engine can answer it)
                     submit(cmd)
-                elif kind == "abort":
+                elif kind == "abort":  # (no final output follows an abort: forget it now)
                     submit(cmd)
+                    self._owner.pop(cmd[1], None)
                 elif kind == "drain":
                     self._ask(i, submit, drain=float(cmd[1]))
                 elif kind == "stop":

@@ -64,6 +64,9 @@ def test_events_go_to_their_owner_and_shutdown_waits_for_every_server():
     n1 = len(evts[1].sent)
     links.emit([("deltas", [_delta("b", False)])])  # (b finished: its owner is forgotten)
     assert len(evts[1].sent) == n1
+    cmds[0].q.put(("abort", "a"))  # (an abort ends ownership too: no final output follows)
+    _until(lambda: ("abort", "a") in submitted)
+    _until(lambda: "a" not in links._owner)
     # one server's drain and stop do not reach the engine while the other is linked ...
     cmds[0].q.put(("drain", 5.0))
     cmds[0].q.put(("stop",))
