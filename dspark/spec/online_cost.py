@@ -200,8 +200,8 @@ class FixedCosts:
         so a plain step near there costs about this share of the speculative term. The least
         share over all buckets (thirty-eighth session) took the 1-4 request buckets', where
         the plain term is ~0 or below (H200, trained pair, T = 1: -0.057 ms at 1 request),
-        so plain steps at 64 requests were priced at the bare forward again and probed: 22
-        plain steps a level at 51-64 requests, thirty-ninth session."""
+        so plain steps at 64 requests were priced at the bare forward again and probed, in
+        11-step runs at 64, 51 and 31 requests (thirty-ninth session)."""
         spec, plain, b = self._term["spec"], self._term["plain"], size_bucket(num_reqs)
         both = [(abs(k - b), k) for k, s in spec.items() if s > 0 and k in plain]
         if not both:

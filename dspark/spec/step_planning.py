@@ -33,9 +33,9 @@ SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of t
 # an untrimmed probe (_untrimmed_probe): this many verify-all decode plans, at most once per
 # UNTRIMMED_PROBE_EVERY observed steps and batch-size bucket
 UNTRIMMED_PROBE_STEPS = 12
+UNTRIMMED_PROBE_EVERY = 512
 # plans an opportunity rate stays memoized for its request-count group (_opportunity_rate)
 RATE_MEMO_PLANS = 2 * SETTLED_PLANS
-UNTRIMMED_PROBE_EVERY = 512
 
 
 class StepPlanning(StaleConfidences):
@@ -276,9 +276,9 @@ class StepPlanning(StaleConfidences):
         that many plans old. Until the thirty-ninth session every new survival estimate
         (each decision, and each decision step's commit) repriced every group and the memo
         lasted SETTLED_PLANS plans: in a closed loop of the demo pair at c = 64 (device work
-        stubbed, development machine) 120 of 209 steps with prefill chunks missed their
-        standing plan, two in three of them for want of a memoized rate, and took the full
-        path. Each group keeps its own rate: in serving the request
+        stubbed, development machine) 95-120 of 209 steps with prefill chunks missed their
+        standing plan and took the full path, most for want of a memoized rate (79 of 95 in
+        one run); now 50. Each group keeps its own rate: in serving the request
         count moves across group edges and back as requests finish and successors arrive,
         and with one group memoized 114 of 220 such plans priced afresh (the demo pair at
         c = 64 with its device work stubbed, development machine)."""
