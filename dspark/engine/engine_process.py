@@ -31,7 +31,11 @@ def core_process_main(config, cmd_conns, evt_conns, log_level: int, setup=None) 
     """The child: load, announce, serve until stopped (or orphaned). `cmd_conns` /
     `evt_conns`: one pipe end each, or a list with one per API-server process
     (server_links.py)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutdown is the server process's call
+    # shutdown is the server processes' call, and this process's lifetime follows its pipes:
+    # a signal to the whole process group (Ctrl-C; systemd's SIGTERM to every process of a
+    # unit) must not end it before the servers have drained their requests through it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=_LOG_FORMAT)
     from dspark.engine.cpu_affinity import pin_from_env
     from dspark.engine.engine_core import EngineCore
@@ -187,8 +191,8 @@ class ProcessCore:
             self._evt.close()
             return
         self.proc.join(30)
-        if self.proc.is_alive():
-            logger.warning("the engine process did not exit: terminating it")
-            self.proc.terminate()
+        if self.proc.is_alive():  # (it ignores SIGTERM: core_process_main)
+            logger.warning("the engine process did not exit: killing it")
+            self.proc.kill()
             self.proc.join(10)
         self._cmd.close()

@@ -13,7 +13,8 @@ engine's counters (shared) and that server's own HTTP counters. Responses carry 
 Shutdown: SIGTERM or SIGINT to this process is passed on to every API server as SIGTERM;
 each stops accepting and lets its requests finish (--shutdown-timeout), and the engine drains
 and stops once every server has asked (or left). An API server that dies has its requests
-aborted; the others keep serving.
+aborted; the others keep serving. If this process is killed outright, each server notices
+within a second and shuts down as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +64,26 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_with_parent(parent_pid: int, period_s: float = 1.0) -> None:
+    """A daemon thread: once the process that started this one is gone (killed without a
+    chance to pass a signal on), stop as on SIGTERM, so that no orphaned server keeps the
+    port (the engine process then sees every pipe close, and exits)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(period_s)
+        logger.warning("the serving process %d is gone: shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="dspark-parent-watch", daemon=True).start()
+
+
 def api_server_main(args, config, name: str, api_key: str | None, index: int, cmd_w,
-                    evt_r) -> None:  # fmt: skip
+                    evt_r, parent_pid: int | None = None) -> None:  # fmt: skip
     """One API-server process: attach to the engine's pipes, serve HTTP on the shared port."""
     logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     import uvicorn
 
     from dspark.engine.async_engine import AsyncLLMEngine
@@ -113,7 +132,8 @@ def start_multi_server(args, config, name: str, api_key: str | None, setup=None)
                          args=(config, [r for r, _ in cmd], [w for _, w in evt], level, setup))
     engine.start()
     servers = [ctx.Process(target=api_server_main, name=f"dspark-api-server-{i}",
-                           args=(args, config, name, api_key, i, cmd[i][1], evt[i][0]))
+                           args=(args, config, name, api_key, i, cmd[i][1], evt[i][0],
+                                 os.getpid()))
                for i in range(n)]  # fmt: skip
     for proc in servers:
         proc.start()
@@ -141,9 +161,9 @@ def wait_multi_server(engine, servers: list) -> int:
         if proc.exitcode != 0:
             logger.warning("API server %s exited with code %s", proc.name, proc.exitcode)
     engine.join(30)
-    if engine.is_alive():
-        logger.warning("the engine process did not exit: terminating it")
-        engine.terminate()
+    if engine.is_alive():  # (it ignores SIGTERM: engine_process.core_process_main)
+        logger.warning("the engine process did not exit: killing it")
+        engine.kill()
         engine.join(10)
     return 0 if all(p.exitcode == 0 for p in servers) else 1
 

@@ -4,11 +4,13 @@ its own requests; SIGTERM to the server stops all of it cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,8 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def multi(tiny_qwen):
+def _start(tiny_qwen) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dspark", "serve", "--model", tiny_qwen, "--device", "cpu",
@@ -37,6 +38,7 @@ def multi(tiny_qwen):
          "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "160",
          "--shutdown-timeout", "5"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # (a process group of its own: the tests may signal it all)
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -47,6 +49,12 @@ def multi(tiny_qwen):
         except httpx.HTTPError:
             time.sleep(0.3)
     assert proc.poll() is None, proc.stdout.read()
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def multi(tiny_qwen):
+    proc, base = _start(tiny_qwen)
     yield proc, base
     if proc.poll() is None:
         proc.kill()
@@ -59,6 +67,22 @@ def _complete(base: str, prompt: str, max_tokens: int = 12):
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True})  # fmt: skip
     return r
+
+
+_STARTED = threading.Event()  # (_stream: the first chunk arrived)
+
+
+def _stream(base: str, max_tokens: int) -> list[str]:
+    """A streamed completion's SSE data lines."""
+    lines = []
+    body = {"model": "tiny", "prompt": "def g(x):", "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[len("data: "):])
+                _STARTED.set()
+    return lines
 
 
 def test_both_servers_serve_the_offline_engines_tokens(multi, tiny_qwen):
@@ -91,8 +115,6 @@ def test_bench_serve_measures_it_without_one_servers_cpu_as_the_servers(multi, t
     """`dspark bench serve` against two API servers: every request completes, and the level's
     host CPU has the engine's and the client's figures but no "server" one (each /metrics
     scrape reaches one server of two, its process CPU only)."""
-    import json
-
     _, base = multi
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -123,9 +145,51 @@ def test_a_dead_server_takes_only_its_requests_then_sigterm_stops_all(multi):
         r = _complete(base, p, 4)
         assert r.status_code == 200 and r.headers["x-dspark-api-server"] == "0"
     assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
+    # SIGTERM to the whole process group (as systemd stops a unit) with a stream in flight:
+    # the engine process ignores it and serves the stream to its end while server 0 drains
+    got = []
+    stream = threading.Thread(target=lambda: got.append(_stream(base, 120)), daemon=True)
+    stream.start()
+    deadline = time.monotonic() + 10
+    while not _STARTED.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
+    stream.join(30)
+    assert got and got[0][-1] == "[DONE]", got
+    assert json.loads(got[0][-2])["choices"][0]["finish_reason"] == "length", got[0][-2]
     assert proc.returncode == 1, out  # (one server did not exit cleanly: the one killed)
     assert "dspark-api-server-1 exited with code -9" in out, out
+    assert "exited unexpectedly" not in out and "dspark-api-server-0 exited" not in out, out
     with pytest.raises(ProcessLookupError):
         os.kill(pids["0"], 0)
+
+
+def test_servers_whose_parent_was_killed_shut_down_and_free_the_port(tiny_qwen):
+    """The serving process killed outright (no signal passed on): each API server notices
+    within a second and shuts down as on SIGTERM; the engine process sees its pipes close
+    and exits; nothing keeps the port."""
+    proc, base = _start(tiny_qwen)
+    pids = set()
+    for p in PROMPTS:
+        r = _complete(base, p, 2)
+        pids.add(int(r.headers["x-dspark-api-server-pid"]))
+        if len(pids) == 2:
+            break
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+        except httpx.HTTPError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("an API server still answers after its parent was killed")
+    for pid in pids:  # (gone: reaped by init once orphaned)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read(
+            ).split()[2], pid
