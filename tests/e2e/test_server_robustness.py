@@ -214,12 +214,16 @@ def _free_port() -> int:
 
 
 def test_sigterm_drains_then_aborts_cleanly(tiny_qwen):
+    """SIGTERM to the server's whole process group (as systemd stops a unit: the engine
+    process gets it too, and ignores it): the stream in flight ends cleanly and the server
+    exits 0."""
     port = _free_port()
     cmd = [sys.executable, "-m", "dspark.server.cli", "--model", tiny_qwen, "--device", "cpu",
            "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64",
            "--shutdown-timeout", "0.5", "--served-model-name", MODEL, "--log-level", "warning"]
     env = {**os.environ, "DSPARK_API_KEY": API_KEY}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -233,7 +237,7 @@ def test_sigterm_drains_then_aborts_cleanly(tiny_qwen):
                 time.sleep(0.2)
         headers = {"Authorization": f"Bearer {API_KEY}"}
         body = {"prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        events = sse_data(url, body, headers, lambda: proc.send_signal(signal.SIGTERM))
+        events = sse_data(url, body, headers, lambda: os.killpg(proc.pid, signal.SIGTERM))
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])
         assert last["choices"][0]["finish_reason"] in ("abort", "length")
