@@ -24,7 +24,7 @@ from dspark.engine.output_delta import DeltaDecoder
 
 logger = logging.getLogger(__name__)
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def core_process_main(config, cmd_conns, evt_conns, log_level: int, setup=None) -> None:
@@ -36,7 +36,7 @@ def core_process_main(config, cmd_conns, evt_conns, log_level: int, setup=None) 
     # unit) must not end it before the servers have drained their requests through it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=_LOG_FORMAT)
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     from dspark.engine.cpu_affinity import pin_from_env
     from dspark.engine.engine_core import EngineCore
     from dspark.engine.llm_engine import LLMEngine

@@ -23,6 +23,7 @@ import threading
 logger = logging.getLogger(__name__)
 
 _BROADCAST = ("snapshot", "ready", "failed", "dead", "exited")
+_FINISHED = 7  # a delta's "finished" field (output_delta.DeltaEncoder.make; its request id: 0)
 
 
 class ServerLinks:
@@ -102,15 +103,15 @@ class ServerLinks:
                     self._owner.pop(ev[1], None)
                 if owner is not None:
                     batches[owner].append(ev)
-            elif kind in ("deltas", "outputs"):
+            elif kind == "deltas":  # (an engine process sends its outputs as deltas)
                 split: dict[int, list] = {}
-                for item in ev[1]:
-                    rid = item[0] if kind == "deltas" else item.request_id
+                for delta in ev[1]:
+                    rid = delta[0]
                     owner = self._owner.get(rid)
                     if owner is None:  # (its server left: nobody to tell)
                         continue
-                    split.setdefault(owner, []).append(item)
-                    if (item[7] if kind == "deltas" else item.finished):
+                    split.setdefault(owner, []).append(delta)
+                    if delta[_FINISHED]:
                         self._owner.pop(rid, None)
                 for owner, items in split.items():
                     batches[owner].append((kind, items))

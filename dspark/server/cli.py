@@ -137,10 +137,26 @@ def build_engine_config(args: argparse.Namespace):
     return config, name, gibberish
 
 
+def _warn_if_open(host: str, api_key: str | None) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it",
+                       host)  # fmt: skip
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """The HTTP server's settings for `app` (one API server, or each of several)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False,
+    )  # fmt: skip
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from dspark.engine.engine_process import LOG_FORMAT
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     api_key = args.api_key or os.environ.get("DSPARK_API_KEY") or None
     try:
         config, name, gibberish = build_engine_config(args)
@@ -157,14 +173,10 @@ def run_serve(args: argparse.Namespace) -> int:
             print("dspark serve: error: --api-server-count above 1 needs the engine process "
                   "(drop --no-engine-process)", file=sys.stderr)  # fmt: skip
             return 2
-        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-            logger.warning("listening on %s without --api-key: anyone who can reach it can use "
-                           "it", args.host)  # fmt: skip
+        _warn_if_open(args.host, api_key)
         from dspark.server.multi_server import run_multi_server
 
         return run_multi_server(args, config, name, api_key)
-    import uvicorn
-
     from dspark.engine.async_engine import AsyncLLMEngine
     from dspark.server.api import build_app
 
@@ -173,15 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - report any loading failure plainly
         print(f"dspark serve: error: cannot load the engine: {e}", file=sys.stderr)
         return 1
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        logger.warning("listening on %s without --api-key: anyone who can reach it can use it",
-                       args.host)  # fmt: skip
+    _warn_if_open(args.host, api_key)
     app = build_app(engine, name, api_key, args.max_body_bytes, args.max_waiting)
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False,
-    )  # fmt: skip
-    server = GracefulServer(uv_config, engine, args.shutdown_timeout)
+    server = GracefulServer(uvicorn_config(app, args), engine, args.shutdown_timeout)
     logger.info("serving %r (max_model_len=%d) on http://%s:%d", name, engine.max_model_len,
                 args.host, args.port)  # fmt: skip
     server.run()

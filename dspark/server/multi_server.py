@@ -29,7 +29,6 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_HEADER = b"x-dspark-api-server"
 PID_HEADER = b"x-dspark-api-server-pid"
 
@@ -81,15 +80,15 @@ def _exit_with_parent(parent_pid: int, period_s: float = 1.0) -> None:
 def api_server_main(args, config, name: str, api_key: str | None, index: int, cmd_w,
                     evt_r, parent_pid: int | None = None) -> None:  # fmt: skip
     """One API-server process: attach to the engine's pipes, serve HTTP on the shared port."""
-    logging.basicConfig(level=args.log_level.upper(), format=_LOG_FORMAT)
+    from dspark.engine.engine_process import LOG_FORMAT
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
-    import uvicorn
-
     from dspark.engine.async_engine import AsyncLLMEngine
     from dspark.engine.engine_process import ProcessCore
     from dspark.server.api import build_app
-    from dspark.server.cli import GracefulServer
+    from dspark.server.cli import GracefulServer, uvicorn_config
 
     try:
         core = ProcessCore(config, pipes=(cmd_w, evt_r))
@@ -106,11 +105,7 @@ def api_server_main(args, config, name: str, api_key: str | None, index: int, cm
         raise SystemExit(1) from None
     app = _ServerHeader(build_app(engine, name, api_key, args.max_body_bytes, args.max_waiting),
                         index)  # fmt: skip
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False,
-    )  # fmt: skip
-    GracefulServer(uv_config, engine, args.shutdown_timeout).run(sockets=[sock])
+    GracefulServer(uvicorn_config(app, args), engine, args.shutdown_timeout).run(sockets=[sock])
     engine.close()
     if engine.dead_error is not None:
         logger.error("API server %d: %s", index, engine.dead_error)
