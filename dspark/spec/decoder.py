@@ -25,7 +25,8 @@ from dspark.spec.drafting import DECIDE_MIN_S, PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.planner import REUSE_CLEAR_PLANS, REUSE_TRIMMED_PLANS, Planner
-from dspark.spec.step_planning import StepPlanning
+from dspark.spec.rates import RateMemo
+from dspark.spec.step_planning import RATE_MEMO_PLANS, StepPlanning
 from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Overhead, decoder_metrics, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
@@ -127,7 +128,7 @@ class SpecDecoder(StepPlanning):
         self._fixed_by_mode = fixed_costs_by_mode()
         self.fixed_costs = self._fixed_by_mode[True]
         self._settled = {}  # (a settled plan stands only under the model that settled it)
-        self._rate_memo = None  # (... and an opportunity rate priced by it)
+        self.rate_memo = RateMemo(RATE_MEMO_PLANS)  # (... and an opportunity rate priced by it)
         self._untrimmed_left, self._untrimmed_probed = 0, {}  # (step_planning.py)
         self.planner = Planner(
             self._policy,

@@ -77,3 +77,30 @@ def predicted_accepted(survival: np.ndarray) -> np.ndarray:
     out = np.zeros((survival.shape[0], survival.shape[1] + 1))
     survival.cumsum(axis=1, out=out[:, 1:])  # (the method: no wrapper)
     return out
+
+
+class RateMemo:
+    """Decode rates (decode_rate) memoized per request-count group, each for `lifetime`
+    plans, in one mode at a time: a rate priced in another mode (sampling mode, or with and
+    without a survival estimate) is not read, and the first put in a new mode forgets the
+    old ones. Times are plan counts (the caller's clock). At most MAX_GROUPS groups: more
+    start the memo afresh (groups are ~6% wide, so a serving level holds a few)."""
+
+    MAX_GROUPS = 16
+
+    def __init__(self, lifetime: int):
+        self.lifetime = lifetime
+        self.mode: tuple | None = None
+        self.rates: dict = {}  # group -> (rate, the plan count it stands until)
+
+    def get(self, mode: tuple, group, now: int) -> float | None:
+        hit = self.rates.get(group) if mode == self.mode else None
+        return None if hit is None or now >= hit[1] else hit[0]
+
+    def put(self, mode: tuple, group, rate: float, now: int) -> None:
+        if mode != self.mode or len(self.rates) >= self.MAX_GROUPS:
+            self.mode, self.rates = mode, {}
+        self.rates[group] = (rate, now + self.lifetime)
+
+    def clear(self) -> None:
+        self.mode, self.rates = None, {}

@@ -25,7 +25,7 @@ from dspark.spec.drafting import PROBE_ROWS
 from dspark.spec.online_cost import size_bucket
 from dspark.spec.plan_reuse import nearby_rows
 from dspark.spec.planner import REUSE_CLEAR_PLANS
-from dspark.spec.rates import decode_rate
+from dspark.spec.rates import RateMemo, decode_rate
 from dspark.spec.stale_confidences import StaleConfidences
 from dspark.spec.tracing import step_kind
 
@@ -43,7 +43,6 @@ class StepPlanning(StaleConfidences):
     observe_step_time (after commit), and the scheduler-overhead accounting."""
 
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
-    rate_memo_plans = RATE_MEMO_PLANS  # (1: every step with prefill chunks prices its rate)
     # (requests, greedy) -> [the plan count it stands until, its draft fills, whether it was
     # a searched verify-all near the guard] (_stand)
     _settled: dict  # (set_cost_model: {})
@@ -56,9 +55,8 @@ class StepPlanning(StaleConfidences):
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
-    # ((sampling mode, no survival estimate yet), {request-count group: (rate, plan count it
-    # stands until)}): _opportunity_rate's memo
-    _rate_memo: tuple | None = None
+    # _opportunity_rate's memo, in the mode (sampling mode, no survival estimate yet)
+    rate_memo: RateMemo  # (set_cost_model: RateMemo(RATE_MEMO_PLANS))
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -267,39 +265,30 @@ class StepPlanning(StaleConfidences):
 
     def _opportunity_rate(self, n_sampling: int) -> float:
         """Tokens/ms the best decode-only step of `n_sampling` requests would earn (what a
-        draft beside a prefill chunk must beat: rates.decode_rate), computed afresh only when
-        the sampling mode changed, the first survival estimate came, or its request-count
-        group (nearby_rows: within ~6%, as standing plans group them) has no rate priced in
-        the last RATE_MEMO_PLANS plans: a prompt arriving in chunks plans several such steps
-        in a row, and pricing decoding cost 35% of each such plan (16 µs hot, ~70 cold,
-        development machine). Its fixed terms, survival estimate and context read may be
-        that many plans old. Until the thirty-ninth session every new survival estimate
-        (each decision, and each decision step's commit) repriced every group and the memo
-        lasted SETTLED_PLANS plans: in a closed loop of the demo pair at c = 64 (device work
-        stubbed, development machine) 95-120 of 209 steps with prefill chunks missed their
-        standing plan and took the full path, most for want of a memoized rate (79 of 95 in
-        one run); now 50. Each group keeps its own rate: in serving the request
-        count moves across group edges and back as requests finish and successors arrive,
-        and with one group memoized 114 of 220 such plans priced afresh (the demo pair at
-        c = 64 with its device work stubbed, development machine)."""
+        draft beside a prefill chunk must beat: rates.decode_rate), priced afresh only when
+        the mode (sampling mode; whether a survival estimate exists) changed or its
+        request-count group (nearby_rows: within ~6%, as standing plans group them) has no
+        rate from the last RATE_MEMO_PLANS plans (rates.RateMemo): its fixed terms, survival
+        estimate and context read may be that old. Pricing decoding was 35% of such a plan
+        (16 µs hot, ~70 cold, development machine), and a prompt arriving in chunks plans
+        several in a row, across group edges and back as requests finish. In a closed loop
+        of the demo pair at c = 64 (device work stubbed), a memo repriced by every new
+        survival estimate and lasting SETTLED_PLANS plans sent 95-120 of 209 steps with
+        prefill chunks down the full path, one group memoized 114 of 220; now ~50
+        (thirty-ninth session)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
             greedy = self.fixed_costs.greedy
             rate = decode_rate(self.cost, self.drafting.estimate(greedy), n_sampling,
                                self.fixed_costs.get("plain", n_sampling))  # fmt: skip
-            mode, memo = (greedy, self.drafting.survival is None), self._rate_memo
-            if memo is None or memo[0] != mode or len(memo[1]) >= 16:
-                memo = self._rate_memo = (mode, {})  # (rates priced in another mode)
-            memo[1][nearby_rows(n_sampling)] = (rate, self._plans_counted + self.rate_memo_plans)
+            self.rate_memo.put((greedy, self.drafting.survival is None), nearby_rows(n_sampling),
+                               rate, self._plans_counted)  # fmt: skip
         return rate
 
     def _memoized_rate(self, n_sampling: int) -> float | None:
         """_opportunity_rate's memo for this request count, or None (priced afresh)."""
-        memo = self._rate_memo
-        if memo is None or memo[0] != (self.fixed_costs.greedy, self.drafting.survival is None):
-            return None
-        hit = memo[1].get(nearby_rows(n_sampling))
-        return None if hit is None or self._plans_counted >= hit[1] else hit[0]
+        mode = (self.fixed_costs.greedy, self.drafting.survival is None)
+        return self.rate_memo.get(mode, nearby_rows(n_sampling), self._plans_counted)
 
     def _stand(self, n: int, total: int, greedy: bool, plans: int | None = None,
                near: bool = False) -> None:  # fmt: skip

@@ -768,3 +768,27 @@ def test_a_step_the_bound_settles_is_verify_all_for_any_penalty_and_confidences(
             scale = float(rng.uniform(1.0, 3.0))  # the engine's acceptance ratio (>= 1)
             assert planner.plan_cpu(conf, caps, 0, num_reqs, penalty, None, scale) == total
     assert settled > 40 and searched > 40  # both outcomes exercised
+
+
+def test_rate_memo_reads_its_mode_and_unexpired_groups_only():
+    """A rate stands in its mode for `lifetime` plans; a put in another mode, or past
+    MAX_GROUPS groups, starts the memo afresh."""
+    from dspark.spec.rates import RateMemo
+
+    memo = RateMemo(lifetime=4)
+    assert memo.get((True, False), 7, now=0) is None
+    memo.put((True, False), 7, 2.5, now=10)
+    assert memo.get((True, False), 7, now=13) == 2.5
+    assert memo.get((True, False), 7, now=14) is None  # (lifetime plans old)
+    assert memo.get((False, False), 7, now=11) is None  # (another mode)
+    assert memo.get((True, False), 8, now=11) is None  # (another group)
+    memo.put((True, False), 8, 3.0, now=11)
+    assert memo.get((True, False), 7, now=12) == 2.5 and memo.get((True, False), 8, now=12) == 3.0
+    memo.put((False, False), 8, 4.0, now=12)  # a new mode forgets the old one's rates
+    assert memo.get((True, False), 8, now=12) is None and memo.get((False, False), 8, now=12) == 4.0
+    for g in range(RateMemo.MAX_GROUPS):
+        memo.put((False, False), 100 + g, 1.0, now=13)
+    assert memo.get((False, False), 8, now=13) is None  # (the 17th group restarted it)
+    assert memo.get((False, False), 100 + RateMemo.MAX_GROUPS - 1, now=13) == 1.0
+    memo.clear()
+    assert memo.get((False, False), 100 + RateMemo.MAX_GROUPS - 1, now=13) is None

@@ -263,8 +263,9 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
         d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
         d._plain_may_win, d._min_interval_s = False, 0.0
         spec.fixed_costs = spec._fixed_by_mode[greedy]
-        spec._rate_memo = ((greedy, d.survival is None),
-                           {nearby_rows(n_sampling): (2.0, spec._plans_counted + 5)})
+        spec.rate_memo.clear()
+        spec.rate_memo.put((greedy, d.survival is None), nearby_rows(n_sampling), 2.0,
+                           spec._plans_counted + 5 - spec.rate_memo.lifetime)
         spec.planner.standing.clear()
         spec.planner.standing._plans[group] = [3, standing, 2.0]
         spec.draft_share, spec._step_trimmed, spec.last_budget = 0.123, False, -1
@@ -283,7 +284,7 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
 def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, drafter, tmp_path):
     """In serving the request count of steps with prefill chunks crosses group edges and back:
     each group keeps the rate priced for it (until the sampling mode changes or the rate is
-    rate_memo_plans plans old: a new survival estimate does not reprice it, nor does the
+    lifetime plans old: a new survival estimate does not reprice it, nor does the
     first one's arrival leave a rate priced without one standing); a count of the same group
     reads it."""
     path = _table(tmp_path, "rates", weight_read_ms=1.0, ms_per_token=0.1,
@@ -302,9 +303,9 @@ def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, draft
     assert spec._opportunity_rate(60) == rate60 and priced == []  # (both groups kept)
     spec.drafting.update_survival(np.full((3, 5), 0.5))  # a new estimate: rates stand
     assert spec._memoized_rate(40) == rate40 and spec._memoized_rate(60) == rate60
-    spec._plans_counted += spec.rate_memo_plans - 1
+    spec._plans_counted += spec.rate_memo.lifetime - 1
     assert spec._memoized_rate(40) == rate40
-    spec._plans_counted += 1  # (rate_memo_plans plans old)
+    spec._plans_counted += 1  # (lifetime plans old)
     assert spec._memoized_rate(40) is None and spec._memoized_rate(60) is None
     fresh = spec._opportunity_rate(40)
     assert priced == [(40, 5)] and spec._memoized_rate(40) == fresh
@@ -312,7 +313,7 @@ def test_opportunity_rates_are_memoized_per_request_count_group(tiny_qwen, draft
     assert spec._memoized_rate(40) is None
     spec.fixed_costs = spec._fixed_by_mode[True]
     spec.drafting.survival = None  # (priced with no estimate: stands only while none comes)
-    spec._rate_memo = None
+    spec.rate_memo.clear()
     spec._opportunity_rate(40)
     spec.drafting.survival = spec.drafting._survival[True]
     assert spec._memoized_rate(40) is None
