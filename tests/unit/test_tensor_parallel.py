@@ -225,6 +225,12 @@ def test_tp2_without_speculation_then_worker_death(tiny_qwen):
     proc = llm.engine.runner.world.procs[0]
     try:
         assert _generate(llm) == reference
+        # a signal to the whole process group (Ctrl-C; systemd stopping a unit) leaves the
+        # workers to rank 0, which shuts them down (or they exit when it is gone)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(proc.pid, sig)
+        time.sleep(0.5)
+        assert proc.is_alive() and _generate(llm) == reference
         proc.kill()  # a dead rank fails the next step instead of hanging it
         proc.join(10)
         with pytest.raises(RuntimeError):
