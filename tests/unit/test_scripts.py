@@ -132,13 +132,16 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-# (the synthetic sweep runs interleaved: one more three-server run would add a minute to CI;
-# the sequential run's servers keep their engines in a thread: an engine process costs ~5 s
-# per server start here, and the interleaved run covers `dspark serve`'s default)
+# (CI runs two bench_e2e sweeps, ~95 s together on 2 cores: this sequential one of two arms
+# with synthetic acceptance, its servers' engines in a thread (an engine process costs ~5 s
+# per server start here), and the interleaved one of three arms below, on engine processes
+# as `dspark serve` runs by default, at both temperatures with the identity pass: the GPU
+# sessions' configuration)
 def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     """--arms nospec,adaptive runs those two only; --reverse-arms runs them adaptive first (a
     GPU that heats up under load then slows no-spec's steps, not adaptive's); --identity-
-    prompts 0 skips the offline pass, and the report says so instead of claiming a check."""
+    prompts 0 skips the offline pass, and the report says so instead of claiming a check;
+    --synthetic-rates reaches the servers and every table says SYNTHETIC."""
     demo = "dspark/assets/demo"
     cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
@@ -146,9 +149,13 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
            "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "0",
            "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "256",
            "--device", "cpu", "--out", str(tmp_path), "--port", str(_free_port_block(3)),
-           "--no-engine-process", "--arms", "nospec,adaptive", "--reverse-arms"]  # fmt: skip
+           "--no-engine-process", "--arms", "nospec,adaptive", "--reverse-arms",
+           "--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "SYNTHETIC acceptance" in proc.stdout
+    assert "SYNTHETIC acceptance" in (tmp_path / "serve_adaptive7.log").read_text()
+    assert json.loads((tmp_path / "bench_e2e.json").read_text())["synthetic"] is True
     done = [(tmp_path / f"{a}_t0.json").stat().st_mtime_ns for a in ("adaptive7", "nospec")]
     assert done == sorted(done)
     assert not (tmp_path / "fixed7_t0.json").exists()
@@ -190,11 +197,11 @@ def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(flag, valu
     assert proc.returncode == 2 and f"{flag} must be" in proc.stderr, proc.stderr[-500:]
 
 
-@pytest.mark.parametrize("synthetic,interleave", [(False, False), (True, True)])
-def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
-    """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps, offline checks), so
-    the script that spends GPU time cannot break unnoticed; with --interleave the servers run
-    side by side and each level is measured arm after arm, the order rotating by level."""
+def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
+    """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps at both temperatures,
+    offline checks), so the script that spends GPU time cannot break unnoticed: --interleave
+    runs the servers side by side and measures each level arm after arm, the order rotating
+    by level (the sequential and synthetic paths: the two-arm test above)."""
     demo = "dspark/assets/demo"
     cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
@@ -203,61 +210,59 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
            "--identity-tokens", "6", "--max-num-seqs", "4", "--max-model-len", "128",
            "--max-num-batched-tokens", "256", "--device", "cpu", "--out", str(tmp_path),
            "--port", str(_free_port_block(3))]  # fmt: skip
-    if synthetic:
-        cmd += ["--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3", "--temperatures", "0"]
+    # (two rounds per level: the median of each arm's rounds is kept; every engine process on
+    # one CPU)
     cpu = max(os.sched_getaffinity(0))
-    if interleave:  # (two rounds per level: the median of each arm's rounds is kept; every
-        # engine process on one CPU)
-        cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu)]
-    else:
-        cmd += ["--no-engine-process"]
-    # (the engine processes of the interleaved run time their loops: DSPARK_HOST_TIMERS)
-    env = {**os.environ, "DSPARK_HOST_TIMERS": "1"} if interleave else None
+    cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu)]
+    # (the engine processes time their loops: DSPARK_HOST_TIMERS)
+    env = {**os.environ, "DSPARK_HOST_TIMERS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    if interleave:  # one result file per arm, level and round, in the rotating order
-        arms = ["nospec", "fixed7", "adaptive7"]
-        for a in arms:
-            assert f"engine pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
-                                                                ).read_text(), a  # fmt: skip
-        runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
-        stamps = []
-        for level, r, first in runs:
-            order = arms[first:] + arms[:first]
-            files = [tmp_path / f"{a}_t0_c{level}_r{r}.json" for a in order]
-            times = [f.stat().st_mtime_ns for f in files]
-            assert times == sorted(times), (level, r, order, times)
-            stamps.append((min(times), max(times)))
-        # each round of each level ran after every earlier one
-        assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
-        # the verdict's spread: adaptive over the better arm within each of the 2 rounds
-        paired = [ln for ln in proc.stdout.splitlines() if "paired by round" in ln]
-        assert len(paired) == 1 and paired[0].count("%") == 2 * 3 and "c=2 " in paired[0]
-        # ... and against each arm alone: one median per arm and level
-        alone = [ln for ln in proc.stdout.splitlines() if "median of the round pairs" in ln]
-        assert len(alone) == 1 and alone[0].count("%") == 2 * 2 and "c=2 " in alone[0]
-        # ... and balanced for run order, where adaptive ran both before fixed K and after it:
-        # at c = 2 only (rotations f a n, then a n f; at c = 1 n f a, then f a n), one line
-        # per temperature, the round adaptive ran first marked A
-        balanced = [ln for ln in proc.stdout.splitlines() if "order-balanced" in ln]
-        assert len(balanced) == (1 if synthetic else 2), balanced
-        assert all("c=2 " in ln and "c=1 " not in ln and ln.endswith("%A)") for ln in balanced)
+    temps = ["0", "1"]
+    # one result file per arm, level and round, in the rotating order
+    arms = ["nospec", "fixed7", "adaptive7"]
+    for a in arms:
+        assert f"engine pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
+                                                            ).read_text(), a  # fmt: skip
+    runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
+    stamps = []
+    for level, r, first in runs:
+        order = arms[first:] + arms[:first]
+        files = [tmp_path / f"{a}_t0_c{level}_r{r}.json" for a in order]
+        times = [f.stat().st_mtime_ns for f in files]
+        assert times == sorted(times), (level, r, order, times)
+        stamps.append((min(times), max(times)))
+    # each round of each level ran after every earlier one
+    assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
+    # the verdict's spread: adaptive over the better arm within each of the 2 rounds
+    # (one line per temperature)
+    paired = [ln for ln in proc.stdout.splitlines() if "paired by round" in ln]
+    assert len(paired) == len(temps), paired
+    assert all(ln.count("%") == 2 * 3 and "c=2 " in ln for ln in paired), paired
+    # ... and against each arm alone: one median per arm and level
+    alone = [ln for ln in proc.stdout.splitlines() if "median of the round pairs" in ln]
+    assert len(alone) == len(temps), alone
+    assert all(ln.count("%") == 2 * 2 and "c=2 " in ln for ln in alone), alone
+    # ... and balanced for run order, where adaptive ran both before fixed K and after it:
+    # at c = 2 only (rotations f a n, then a n f; at c = 1 n f a, then f a n), one line
+    # per temperature, the round adaptive ran first marked A
+    balanced = [ln for ln in proc.stdout.splitlines() if "order-balanced" in ln]
+    assert len(balanced) == len(temps), balanced
+    assert all("c=2 " in ln and "c=1 " not in ln and ln.endswith("%A)") for ln in balanced)
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
-    temps = ["0"] if synthetic else ["0", "1"]
     assert sorted(summary["results"]) == sorted(f"{a}@{t}" for a in ("nospec", "fixed7",
                                                                       "adaptive7") for t in temps)
     for levels in summary["results"].values():
         assert [lv["max_concurrency"] for lv in levels] == [1, 2]
         assert all(lv["completed"] == 2 and lv["output_throughput"] > 0 for lv in levels)
     checks = summary["checks"]
-    assert checks["identical_at_t0"] is (None if synthetic else True)
+    assert checks["identical_at_t0"] is True
     assert checks["overhead"]["step_ms"] > 0
     # the CPU has no CUDA graphs: each server logged none captured and no failure
     assert checks["graphs"] == {a: {"captured": 0, "failures": 0}
                                 for a in ("nospec", "fixed7", "adaptive7")}  # fmt: skip
-    if not synthetic:
-        assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
-    assert ("SYNTHETIC" in proc.stdout) == synthetic
+    assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
+    assert "SYNTHETIC" not in proc.stdout
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
     # the adaptive server's drafting flips from its log (however many this CPU makes)
     assert f"drafting turned on/off {len(checks['drafting_flips'])} times" in proc.stdout
@@ -287,8 +292,6 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path, synthetic, interleave):
     # host time by part per engine step (servers started with DSPARK_HOST_TIMERS=1 only)
     hosts = [lv.get("host_ms_per_step") for arm in ("fixed7@0", "adaptive7@0")
              for lv in summary["results"][arm]]  # fmt: skip
-    if not interleave:
-        assert not any(hosts)
     for h in filter(None, hosts):
         assert {"schedule", "launch", "wait_commit", "commit", "outputs"} <= set(h)
         assert all(v >= 0 for v in h.values()) and h["launch"] > 0
