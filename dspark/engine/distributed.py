@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -298,11 +297,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(rank, size, port, config, model_cfg, dtype, device, parent_pid, check, errors):
-    # rank 0 ends a worker (OP_SHUTDOWN), or its death does (_watch_parent): a signal to the
-    # whole process group (Ctrl-C, systemd's SIGTERM) would otherwise kill it under rank 0's
-    # drain, failing the requests still running (engine_process.py ignores them so too)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from dspark.engine.engine_process import ignore_group_signals
+
+    ignore_group_signals()  # (rank 0 ends a worker, OP_SHUTDOWN, or its death: _watch_parent)
     os.environ.update(MULTICAST_OFF_ENV)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _watch_parent(parent_pid)

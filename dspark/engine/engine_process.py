@@ -27,15 +27,20 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def ignore_group_signals() -> None:
+    """For a process whose lifetime another process decides (this engine process: its
+    servers, through its pipes; a tensor-parallel worker: rank 0): a signal to the whole
+    process group (Ctrl-C; systemd's SIGTERM to every process of a unit) must not end it
+    before the servers have drained their requests through it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def core_process_main(config, cmd_conns, evt_conns, log_level: int, setup=None) -> None:
     """The child: load, announce, serve until stopped (or orphaned). `cmd_conns` /
     `evt_conns`: one pipe end each, or a list with one per API-server process
     (server_links.py)."""
-    # shutdown is the server processes' call, and this process's lifetime follows its pipes:
-    # a signal to the whole process group (Ctrl-C; systemd's SIGTERM to every process of a
-    # unit) must not end it before the servers have drained their requests through it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_group_signals()  # (shutdown is the servers' call; its lifetime follows its pipes)
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     from dspark.engine.cpu_affinity import pin_from_env
     from dspark.engine.engine_core import EngineCore
