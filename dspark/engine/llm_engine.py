@@ -29,7 +29,7 @@ from dspark.engine.scheduler import Scheduler, SchedulerOutput
 from dspark.engine.stopping import append_tokens
 from dspark.models.config import ModelConfig, parse_dtype
 from dspark.outputs import RequestOutput
-from dspark.sampling.rng import hash_keys
+from dspark.sampling.rng import hash_ints
 from dspark.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class LLMEngine:
         counter = next(self._counter)
         seed = params.seed
         if seed is None:
-            seed = int(hash_keys(torch.tensor(self.config.seed), torch.tensor(counter)))
+            seed = hash_ints(self.config.seed, counter)
         req = Request(
             request_id, token_ids, params, self.eos_token_ids, seed, text, cache_salt,
             arrival_time,

@@ -58,6 +58,27 @@ def hash_keys(*keys: torch.Tensor | int) -> torch.Tensor:
     return h
 
 
+def _mix32_int(x: int) -> int:
+    x &= _M32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_ints(*keys: int) -> int:
+    """hash_keys of Python ints, on Python ints: the same value, without the ~60 scalar tensor
+    operations hash_keys takes for one key pair (a request's default seed, drawn on the
+    engine's thread for every request it admits). Keys are int64 values."""
+    h = None
+    for k in keys:
+        k &= 0xFFFFFFFFFFFFFFFF  # (a negative int64 key: its two's-complement bits)
+        for part in (k & _M32, k >> 32):
+            h = _mix32_int(part + 0x9E3779B9) if h is None else _mix32_int(
+                h ^ _mix32_int(part + 0x9E3779B9))  # fmt: skip
+    assert h is not None
+    return h
+
+
 # DSPARK_FUSED_OPS=0 keeps the torch code on CUDA too. Tests set ON_CPU to run the Triton
 # kernel through the interpreter on CPU tensors.
 _TRITON = os.environ.get("DSPARK_FUSED_OPS", "1").lower() not in ("0", "false", "off", "no")

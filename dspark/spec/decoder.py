@@ -21,6 +21,7 @@ from dspark.models.config import ModelConfig
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter, check_compatible
 from dspark.sampling.sampler import sample_step
 from dspark.spec.confidence import confidence_source, draft_confidences
+from dspark.spec.cruise import Cruise
 from dspark.spec.drafting import DECIDE_MIN_S, PROBE_ROWS, DraftingDecision
 from dspark.spec.host_copy import LandedCopies
 from dspark.spec.online_cost import fixed_costs_by_mode
@@ -129,6 +130,7 @@ class SpecDecoder(StepPlanning):
         self.fixed_costs = self._fixed_by_mode[True]
         self._settled = {}  # (a settled plan stands only under the model that settled it)
         self.rate_memo = RateMemo(RATE_MEMO_PLANS)  # (... and an opportunity rate priced by it)
+        self.cruise = Cruise()  # (... and a streak of its plans)
         self._untrimmed_left, self._untrimmed_probed = 0, {}  # (step_planning.py)
         self.planner = Planner(
             self._policy,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+from dspark.spec.cruise import Cruise
 from dspark.spec.drafting import PROBE_ROWS
 from dspark.spec.online_cost import size_bucket
 from dspark.spec.plan_reuse import nearby_rows
@@ -57,6 +58,7 @@ class StepPlanning(StaleConfidences):
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
     # _opportunity_rate's memo, in the mode (sampling mode, no survival estimate yet)
     rate_memo: RateMemo  # (set_cost_model: RateMemo(RATE_MEMO_PLANS))
+    cruise: Cruise  # (set_cost_model: Cruise())
 
     def plan(self, host, draft_room: int | None = None) -> int | None:
         """The lagged policy's total draft budget for a packed step (HostStep), from stale
@@ -71,6 +73,10 @@ class StepPlanning(StaleConfidences):
         self._step_reqs, self._step_other = n, other
         self._plans_counted += 1
         lagged = self._policy == "lagged"
+        if (lagged and total and self.cruise.covers(self._plans_counted, n, other)
+                and self.drafting.pays and greedy == self.fixed_costs.greedy
+                and self.drafting.routine(n, self._online_cost)):  # (routine: last, it counts)
+            return self._plan_cruise(host, total, other, context, t0)
         if lagged and not other:  # (the routine plans' short paths: _plan_standing, _plan_idle)
             drafting = self.drafting
             if drafting.pays:
@@ -138,11 +144,28 @@ class StepPlanning(StaleConfidences):
         self.last_budget = budget
         self._step_trimmed = 0 <= budget < total
         self.draft_enabled, self.probing = True, False  # (routine: drafting pays, no probe)
+        self.cruise.record(self._plans_counted, True, self._step_reqs, 0)
         self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
         verifies = self.last_verifies = budget != 0 and total > 0
         kind = self.last_kind = "verify" if verifies else "draft"
         self.step_counts[kind] += 1
         return budget
+
+    def _plan_cruise(self, host, total: int, other: int, context: int, t0: float) -> int:
+        """A plan a cruise stands for (cruise.py): every draft verified, within the draft room,
+        on a routine step (DraftingDecision.routine made its bookkeeping)."""
+        if self.cost is not None:
+            self.cost.set_step_context(context)  # (step_tag prices the step's context read)
+        if other:
+            self.draft_share = 1.0  # (what _after_budget records of a verify-all)
+        room = self._draft_room
+        budget = total if room is None or total <= room else room
+        self.last_budget = budget
+        self._step_trimmed = budget < total
+        self.draft_enabled, self.probing = True, False
+        self.cruise.stood()
+        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "cruise")
+        return self._count_step(host, budget, total, other)
 
     def _plan_chunk_standing(self, host, n: int, total: int, other: int, n_sampling: int,
                              greedy: bool, context: int, t0: float) -> int | None:  # fmt: skip
@@ -340,6 +363,7 @@ class StepPlanning(StaleConfidences):
         bookkeeping)."""
         if other > 0 and total > 0:  # the share the scheduler charges from now on: the wish
             self.draft_share = budget / total  # (uncapped: a share can grow back)
+        verifies_all = budget == total  # (before the room's cap: the plan's own verdict)
         room = self._draft_room
         if room is not None and budget > room:  # (non-anticipating: the room is host-known)
             budget = room
@@ -352,6 +376,9 @@ class StepPlanning(StaleConfidences):
                 decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
         self.probing = probe and n > PROBE_ROWS
+        if total > 0:  # (cruise.py: a streak of verify-all plans skips the next ones)
+            self.cruise.record(self._plans_counted, self.draft_enabled and not probe
+                               and verifies_all, n, other)  # fmt: skip
         return budget
 
     def step_tag(self) -> tuple[str, float, bool] | None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
+from dspark.spec.cruise import Cruise
 from dspark.spec.drafting import _PROBE_EVERY, DraftingDecision
 from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.plan_reuse import BudgetDecision, StandingPlans, nearby_rows
@@ -102,6 +103,7 @@ def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
     Prompts of `prompt_len` + 2i tokens."""
     spec = llm.engine.runner.spec
     spec.drafting._min_interval_s = 0.0  # (else decisions would depend on the wall clock)
+    spec.cruise = Cruise(after=0)  # (the routine paths against the full one: no cruise)
     routine, due, plan, seen = spec.drafting.routine, spec.drafting.due, spec.plan, []
     counts = {"routine": 0, "decisions": 0, "chunk_short": 0}
     chunk_short = spec._plan_chunk_standing

@@ -31,6 +31,17 @@ def test_uniforms_are_uniform_and_keyed():
     assert abs(np.corrcoef(u.numpy(), other.numpy())[0, 1]) < 0.01
 
 
+def test_hash_ints_equals_hash_keys_on_int64_keys():
+    """The engine's default request seeds come from hash_ints: the bits hash_keys gives."""
+    gen = np.random.default_rng(3)
+    keys = gen.integers(-(2**63), 2**63 - 1, size=(64, 2), dtype=np.int64).tolist()
+    keys += [[0, 0], [-1, 1], [2**63 - 1, -(2**63)], [12345, 2**40 + 7]]
+    for a, b in keys:
+        want = int(rng.hash_keys(torch.tensor(a), torch.tensor(b)))
+        assert rng.hash_ints(a, b) == want, (a, b)
+    assert rng.hash_ints(7) == int(rng.hash_keys(torch.tensor(7)))
+
+
 @pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.7, 0.0),
                                                (0, 1.0, 0.2), (4, 0.8, 0.05)])
 def test_sampler_law_matches_processed_softmax(top_k, top_p, min_p):

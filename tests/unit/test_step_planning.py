@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dspark import LLM, SamplingParams
+from dspark.spec.cruise import Cruise
 from dspark.spec.step_planning import RATE_MEMO_PLANS, SETTLED_PLANS
 from dspark.testing.drafters import make_tiny_drafter
 from tests.unit.test_adaptive_engine import PROMPTS, _llm, _table
@@ -23,6 +24,7 @@ def _run(llm, max_tokens: int = 40):
     """Generate PROMPTS; every lagged plan as (requests, draft fills, prefill tokens, whether
     it re-read the terms, whether the drafting decision was due, budget)."""
     spec, plans = llm.engine.runner.spec, []
+    spec.cruise = Cruise(after=0)  # (the settled plans alone: a cruise would skip them)
     plan, apply_terms, due = spec.plan, spec._apply_terms, spec.drafting.due
     state = {"reads": 0, "due": False}
 
@@ -307,6 +309,7 @@ def _steep_decode_step(tiny_qwen, drafter, source: str):
     host = next(h for h in reversed(hosts)
                 if h.prefill_tokens() == 0 and h.get("num_draft_fills") > 0)  # fmt: skip
     spec.plan, spec.drafting.due = plan, lambda num_reqs: False
+    spec.cruise = Cruise(after=0)  # (the standing plans alone: a cruise would skip them)
     return spec, table, host
 
 

@@ -1,0 +1,130 @@
+"""A streak of verify-all plans lets the lagged policy skip the next plans (cruise.py): they
+verify every draft, as the full path would have, until a plan trims or stops drafting."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark import LLM, SamplingParams
+from dspark.spec.cruise import CRUISE_AFTER, CRUISE_FIRST, CRUISE_MAX, Cruise
+from dspark.testing.drafters import make_tiny_drafter
+from tests.unit.test_adaptive_engine import _table
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_qwen, tmp_path_factory):
+    return make_tiny_drafter(str(tmp_path_factory.mktemp("cr")), tiny_qwen, seed=9)
+
+
+def _streak(c: Cruise, start: int, count: int, reqs: int = 10, other: int = 0) -> int:
+    for p in range(start, start + count):
+        c.record(p, True, reqs, other)
+    return start + count
+
+
+def test_a_cruise_starts_after_the_streak_and_lasts_its_life_doubling_to_the_max():
+    c = Cruise()
+    p = _streak(c, 1, CRUISE_AFTER - 1)
+    assert not c.covers(p, 10, 0)  # one plan short of the streak
+    p = _streak(c, p, 1)
+    lives = []
+    for _ in range(8):
+        assert c.covers(p, 10, 0)
+        life = c.until - p
+        lives.append(life)
+        assert c.covers(c.until - 1, 10, 0) and not c.covers(c.until, 10, 0)
+        p = _streak(c, c.until, CRUISE_AFTER)  # the full path again, verify-all throughout
+    assert lives[0] == CRUISE_FIRST
+    assert lives == [min(CRUISE_FIRST << i, CRUISE_MAX) for i in range(8)]
+    assert lives[-1] == CRUISE_MAX
+
+
+def test_a_trim_or_drafting_off_ends_the_cruise_and_resets_its_life():
+    c = Cruise()
+    p = _streak(c, 1, 3 * CRUISE_AFTER)  # (a first cruise, its life doubled)
+    p = _streak(c, max(p, c.until), CRUISE_AFTER)
+    assert c.covers(p, 10, 0) and c.life > CRUISE_FIRST
+    c.record(p, False, 10, 0)
+    assert not c.covers(p + 1, 10, 0) and c.life == CRUISE_FIRST and c.streak == 0
+    p = _streak(c, p + 1, CRUISE_AFTER - 1)
+    assert not c.covers(p, 10, 0)  # a whole streak again first
+
+
+def test_a_cruise_covers_only_shapes_like_its_streaks():
+    c = Cruise()
+    p = _streak(c, 1, CRUISE_AFTER - 1, reqs=40, other=0)
+    p = _streak(c, p, 1, reqs=32, other=100)  # (the largest chunk seen: 100 tokens)
+    assert c.covers(p, 51, 128) and c.covers(p, 1, 0)  # (up to a quarter more, and one)
+    assert not c.covers(p, 52, 0)  # more requests than that
+    assert not c.covers(p, 40, 129)  # a chunk past the next power of two
+    off = Cruise(after=0)
+    _streak(off, 1, 10 * CRUISE_AFTER)
+    assert not off.covers(10 * CRUISE_AFTER, 1, 0)
+
+
+def _plans(llm, after: int) -> tuple[list, list, Cruise]:
+    """Generate staggered requests four at a time (prompts arrive in chunks beside decoding
+    rows); every plan as (budget, kind, drafting, probe, trimmed, draft share), outputs."""
+    spec, seen = llm.engine.runner.spec, []
+    spec.cruise = Cruise(after=after)
+    spec.drafting._min_interval_s = 0.0  # (decisions independent of the wall clock)
+    plan = spec.plan
+
+    def recording(host, *room):
+        budget = plan(host, *room)
+        seen.append((budget, spec.last_kind, spec.draft_enabled, spec.probing,
+                     spec._step_trimmed, spec.draft_share))  # fmt: skip
+        return budget
+
+    spec.plan = recording
+    prompts = [[(7 + 3 * i + j) % 200 for j in range(30 + 9 * i)] for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 5 * i, ignore_eos=True)
+              for i in range(12)]  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return seen, [o.outputs[0].token_ids for o in outs], spec.cruise
+
+
+def test_cruised_plans_are_the_plans_the_full_path_makes_where_verification_is_cheap(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """Verification nearly free beside a 1 ms step: every plan verifies every draft. With
+    cruises on, most plans after the first streak are cruised, and plan for plan the budget,
+    kind, drafting state and draft share are the full path's; the tokens are no
+    speculation's."""
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+            "cost_table_path": path}  # fmt: skip
+    runs = [_plans(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
+                       speculative_config=spec), after)
+            for after in (0, CRUISE_AFTER)]  # fmt: skip
+    (full, full_out, off), (fast, fast_out, on) = runs
+    plain = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    assert fast_out == full_out == _plans_free(plain)
+    assert fast == full
+    assert off.cruised == 0
+    assert on.cruised >= (len(fast) - CRUISE_AFTER) // 2, (on.cruised, len(fast))
+    assert any(k == "mixed" for _, k, *_ in fast)  # (steps with prefill chunks cruised too)
+
+
+def _plans_free(llm) -> list:
+    prompts = [[(7 + 3 * i + j) % 200 for j in range(30 + 9 * i)] for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30 + 5 * i, ignore_eos=True)
+              for i in range(12)]  # fmt: skip
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def test_no_cruise_where_plans_trim(tiny_qwen, drafter, tmp_path):
+    """Verification dear (a token costs 0.2 ms beside a 0.5 ms step): the plans trim, no
+    streak of verify-alls forms, nothing is cruised, and the tokens are unchanged."""
+    path = _table(tmp_path, "dear", weight_read_ms=0.5, ms_per_token=0.2,
+                  fixed_overhead_ms=0.1, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
+    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+            "cost_table_path": path, "draft_skipping": False}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
+              speculative_config=spec)  # fmt: skip
+    seen, outs, cruise = _plans(llm, CRUISE_AFTER)
+    plain = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
+    assert outs == _plans_free(plain)
+    assert sum(trimmed for *_, trimmed, _ in seen) > len(seen) // 4
+    assert cruise.cruised == 0
