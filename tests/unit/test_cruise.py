@@ -22,27 +22,38 @@ def _streak(c: Cruise, start: int, count: int, reqs: int = 10, other: int = 0) -
     return start + count
 
 
+def _until_cruising(c: Cruise, p: int, reqs: int = 10) -> tuple[int, int]:
+    """Record verify-all plans from plan p until a cruise covers the next one: (that plan's
+    number, the streak's length)."""
+    streak = 0
+    while not c.covers(p, reqs, 0):
+        c.record(p, True, reqs, 0)
+        p, streak = p + 1, streak + 1
+        assert streak <= CRUISE_AFTER
+    return p, streak
+
+
 def test_a_cruise_starts_after_the_streak_and_lasts_its_life_doubling_to_the_max():
     c = Cruise()
-    p = _streak(c, 1, CRUISE_AFTER - 1)
-    assert not c.covers(p, 10, 0)  # one plan short of the streak
-    p = _streak(c, p, 1)
-    lives = []
+    p, streak = _until_cruising(c, 1)
+    assert streak == CRUISE_AFTER  # the first cruise: a whole streak first
+    lives, streaks = [], []
     for _ in range(8):
-        assert c.covers(p, 10, 0)
-        life = c.until - p
+        life = 0
+        while c.covers(p + life, 10, 0):
+            life += 1
         lives.append(life)
-        assert c.covers(c.until - 1, 10, 0) and not c.covers(c.until, 10, 0)
-        p = _streak(c, c.until, CRUISE_AFTER)  # the full path again, verify-all throughout
-    assert lives[0] == CRUISE_FIRST
+        p, streak = _until_cruising(c, p + life)  # (the full path again, verify-all)
+        streaks.append(streak)
     assert lives == [min(CRUISE_FIRST << i, CRUISE_MAX) for i in range(8)]
     assert lives[-1] == CRUISE_MAX
+    assert streaks == [CRUISE_AFTER // 4] * 8  # (after a cruise no trim ended: a quarter)
 
 
 def test_a_trim_or_drafting_off_ends_the_cruise_and_resets_its_life():
     c = Cruise()
-    p = _streak(c, 1, 3 * CRUISE_AFTER)  # (a first cruise, its life doubled)
-    p = _streak(c, max(p, c.until), CRUISE_AFTER)
+    p, _ = _until_cruising(c, 1)
+    p, _ = _until_cruising(c, c.until)  # (a second cruise)
     assert c.covers(p, 10, 0) and c.life > CRUISE_FIRST
     c.record(p, False, 10, 0)
     assert not c.covers(p + 1, 10, 0) and c.life == CRUISE_FIRST and c.streak == 0
