@@ -351,8 +351,10 @@ class LLMEngine:
             if req.num_output_tokens == 0:
                 self.stats["prompt_tokens"] += req.num_prompt_tokens
             if drafted > 0:
-                req.spec.record(drafted, verified, accepted)
-                rounds.append((drafted, verified, accepted))
+                r = (drafted, verified, accepted)
+                rounds.append(r)
+                counts = req.spec_rounds  # (Request.spec: a count per kind of round)
+                counts[r] = counts.get(r, 0) + 1
             new_tokens = append_tokens(req, emitted, now, self.detokenizer)
             self.stats["generation_tokens"] += len(new_tokens)
             finished = req.status.finished

@@ -32,10 +32,10 @@ class RequestStatus(enum.Enum):
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
-def _bump(hist: list[int], i: int) -> None:
+def _bump(hist: list[int], i: int, by: int = 1) -> None:
     if i >= len(hist):
         hist.extend([0] * (i + 1 - len(hist)))
-    hist[i] += 1
+    hist[i] += by
 
 
 def _tail_counts(hist: list[int], width: int) -> list[int]:
@@ -96,6 +96,19 @@ class SpecStats:
         for hist, counts in ((self.verified_hist, v), (self.accepted_hist, a),
                              (self.reached_hist, np.minimum(a + 1, v))):  # fmt: skip
             _add(hist, np.bincount(counts))
+
+    def record_counts(self, counts: dict[tuple[int, int, int], int]) -> None:
+        """`record` for rounds counted by kind: {(drafted, verified, accepted): rounds}."""
+        for (d, v, a), c in counts.items():
+            self.num_steps += c
+            self.num_drafted_tokens += d * c
+            self.num_verified_tokens += v * c
+            self.num_accepted_tokens += a * c
+            if d > self.width:
+                self.width = d
+            for hist, i in ((self.verified_hist, v), (self.accepted_hist, a),
+                            (self.reached_hist, min(a + 1, v))):  # fmt: skip
+                _bump(hist, i, c)
 
     def merge(self, other: SpecStats) -> None:
         self.num_steps += other.num_steps
@@ -179,13 +192,23 @@ class Request:
         self.slot: int = -1  # row in the runner's persistent per-request device buffers
         self.round = 0  # decoding rounds so far (an RNG key)
         self.stale_conf: np.ndarray | None = None  # confidences of an earlier round (host)
-        self.spec = SpecStats()
+        # this request's speculative rounds counted by kind, (drafted, verified, accepted)
+        # -> rounds (the `spec` property reads them): a dict update a round on the commit
+        # path instead of SpecStats.record's ~0.9 µs; at most (K + 1)^3 kinds
+        self.spec_rounds: dict[tuple[int, int, int], int] = {}
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.output_text = ""  # detokenized text of the outputs (maintained incrementally)
         self.prefix_offset = 0  # output index where the detokenizer's decode window starts
         self.read_offset = 0  # output tokens already turned into output_text
+
+    @property
+    def spec(self) -> SpecStats:
+        """The request's speculative counters (a new SpecStats: its rounds so far)."""
+        stats = SpecStats()
+        stats.record_counts(self.spec_rounds)
+        return stats
 
     @property
     def num_tokens(self) -> int:

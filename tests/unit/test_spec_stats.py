@@ -55,3 +55,42 @@ def test_histograms_give_the_per_position_counts_and_batches_equal_rounds():
         assert (st.verified_per_pos, st.accepted_per_pos, st.reached_per_pos) == want
         assert st.as_dict() == one.as_dict()
     assert one.num_steps == 300 and one.width == max(d for d, _, _ in rounds)
+
+
+def test_a_requests_rounds_counted_by_kind_read_as_the_counters_record_gives():
+    """Request.spec: rounds counted by kind as the commit path counts them read as the
+    counters SpecStats.record builds, at every length."""
+    import numpy as np
+
+    from dspark.engine.request import Request
+    from dspark.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(1)
+    req = Request("r", [1, 2, 3], SamplingParams(), [0], seed=0)
+    want = SpecStats()
+    assert req.spec.as_dict() == want.as_dict()
+    for n in range(1, 300):
+        d = int(rng.integers(1, 8))
+        v = int(rng.integers(0, d + 1))
+        r = (d, v, int(rng.integers(0, v + 1)))
+        want.record(*r)
+        req.spec_rounds[r] = req.spec_rounds.get(r, 0) + 1
+        if n % 17 == 0 or n == 299:
+            assert req.spec.as_dict() == want.as_dict(), n
+    assert len(req.spec_rounds) <= 8**3
+
+
+def test_a_finished_requests_counters_are_every_round_the_engine_counted(tiny_qwen, tmp_path):
+    """One request decoding for many rounds: its final output's spec_decode is what the
+    engine's aggregate counters say (the same rounds)."""
+    from dspark import LLM, SamplingParams
+    from dspark.testing.drafters import make_tiny_drafter
+
+    drafter = make_tiny_drafter(str(tmp_path / "d"), tiny_qwen, seed=3)
+    llm = LLM(tiny_qwen, device="cpu", speculative_config={
+        "model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "fixed"})
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                       SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True))[0]
+    mine = out.spec_decode
+    assert mine["num_steps"] > 40
+    assert mine == llm.engine.spec_stats.as_dict()
