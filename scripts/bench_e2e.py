@@ -375,6 +375,10 @@ def main() -> int:
     a("--offline-sweep", type=parse_levels, default=[], metavar="LEVELS",
       help="concurrency levels (e.g. 128,256) of a closed-loop sweep of each arm through the "
            "offline API (no HTTP server), at each temperature; default: none")
+    a("--offline-turn-steps", type=int, default=0, metavar="N",
+      help="with --interleave and --offline-sweep: each level's arms run at once, in turns of "
+           "N engine steps each (an arm's throughput over its own turns, so the host's drift "
+           "meets every arm alike); 0: arm after arm")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     if args.engine_cpus:
@@ -391,6 +395,10 @@ def main() -> int:
                  f"{','.join(args.arms)!r}")  # fmt: skip
     if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
         ap.error("--rounds must be >= 1, and above 1 only with --interleave")
+    if args.offline_turn_steps < 0 or (args.offline_turn_steps and not (
+            args.interleave and args.offline_sweep)):  # fmt: skip
+        ap.error("--offline-turn-steps must be >= 0, and above 0 only with --interleave and "
+                 "--offline-sweep")
     if args.identity_prompts < 0:  # (checked now: the offline pass runs after the sweep)
         ap.error("--identity-prompts must be >= 0 (0: skip the offline pass)")
     if args.identity_tokens < 1:

@@ -244,8 +244,11 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     output tok/s by arm, temperature and level, with the engine's median batch (requests
     running after a step) and the acceptance length; an arm cut short shows as '-'."""
     done = sweep["arms"]
+    turns = sweep.get("turn_steps") or 0
+    how = (f"; the arms at once in turns of {turns} steps, each timed by its own turns"
+           if turns else "")  # fmt: skip
     print(f"\n=== {label}offline API, closed loop, concurrency C (no HTTP server): output "
-          "tok/s (batch p50 | acceptance length) ===")
+          f"tok/s (batch p50 | acceptance length){how} ===")
     for t in sweep["temperatures"]:
         print(f"-- temperature {t:g}")
         print("   C " + "".join(f"{n:>28}" for n in names) + "   " + versus_header(names))

@@ -56,13 +56,15 @@ def pretokenized(engine, prompts: list, max_tokens: list[int]) -> list[dict]:
     return out
 
 
-def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
-           salt: str | None) -> dict:  # fmt: skip
-    """Run `prompts` with `concurrency` of them in the engine at a time. Invariant: after
-    the first `concurrency`, the next prompt is added only when a final output arrives, so
-    the scheduler (running + waiting) never holds more than `concurrency` requests; it holds
-    fewer only at the tail, and between a request's commit (which takes it out of the
-    scheduler) and the step() call that returns its output (llm_engine.py)."""
+def _steps(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
+           salt: str | None):  # fmt: skip
+    """Run `prompts` with `concurrency` of them in the engine at a time, yielding after every
+    engine step; returns (StopIteration's value) what it produced, wall_s the time spent in
+    it (between yields: its own time when other engines' steps run in between). Invariant:
+    after the first `concurrency`, the next prompt is added only when a final output
+    arrives, so the scheduler (running + waiting) never holds more than `concurrency`
+    requests; it holds fewer only at the tail, and between a request's commit (which takes
+    it out of the scheduler) and the step() call that returns its output (llm_engine.py)."""
     run, sched = next(_runs), engine.scheduler
     added, finished, batch, held = 0, [], [], []
 
@@ -72,7 +74,7 @@ def _drive(engine, prompts: list, params_for: Callable[[int], object], concurren
                            cache_salt=salt)  # fmt: skip
         added += 1
 
-    start = time.perf_counter()
+    start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
     while added < min(concurrency, len(prompts)):
         add()
@@ -85,9 +87,52 @@ def _drive(engine, prompts: list, params_for: Callable[[int], object], concurren
                     add()
         # the requests of the step this call launched, less those its commit finished
         batch.append(len(sched.running))
-    return {"outputs": finished, "wall_s": time.perf_counter() - start, "batch": batch,
-            "held": held, "steps": engine.stats["steps"] - steps0,
+        now = time.perf_counter()
+        own += now - start
+        yield
+        start = time.perf_counter()
+    own += time.perf_counter() - start
+    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
+            "steps": engine.stats["steps"] - steps0,
             "step_ms": engine.stats["step_time_ms"] - step_ms0}  # fmt: skip
+
+
+def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
+           salt: str | None) -> dict:  # fmt: skip
+    """_steps run alone (its wall_s: the run's wall time)."""
+    gen = _steps(engine, prompts, params_for, concurrency, salt)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def _lockstep(runs: list, turn_steps: int, sync: Callable[[], None]) -> list[dict]:
+    """Step the `_steps` generators `runs` in turns of `turn_steps` engine steps each, round
+    robin, until all are done; each one's wall_s is its own turns' time. A turn ends with
+    `sync()` (the device's queue drained) inside the turn's time, so a step left in flight by
+    async scheduling is paid by its own engine, not by the next turn's. The host's speed
+    drifts 0.9-2.2x from one second to the next on the H200 machines (twenty-fifth session),
+    more than the arms differ; engines measured in turns of tens of ms meet the same drift."""
+    results: list = [None] * len(runs)
+    extra = [0.0] * len(runs)  # the syncs' time, added to the engine whose turn it ended
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            for _ in range(turn_steps):
+                try:
+                    next(runs[i])
+                except StopIteration as done:
+                    results[i] = done.value
+                    live.remove(i)
+                    break
+            t0 = time.perf_counter()
+            sync()
+            extra[i] += time.perf_counter() - t0
+    for res, e in zip(results, extra, strict=True):
+        res["wall_s"] += e
+    return results
 
 
 def closed_loop(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
@@ -99,6 +144,31 @@ def closed_loop(engine, prompts: list, params_for: Callable[[int], object], conc
     tokens at the same concurrency (salted apart, so that the measured requests do not find
     them in the prefix cache). The clock runs from the first measured request's arrival to
     the last one's final output. `outputs`, if given, receives the measured final outputs."""
+    _warm(engine, prompts, params_for, concurrency, warmup, warmup_tokens, salt)
+    run = _drive(engine, prompts, params_for, concurrency, salt)
+    return _summary(run, prompts, concurrency, outputs)
+
+
+def closed_loops_in_turns(engines: list, prompts: list, params_for: Callable[[int], object],
+                          concurrency: int, turn_steps: int, warmup: int = 0,
+                          warmup_tokens: int = 16, salt: str | None = None,
+                          sync: Callable[[], None] = lambda: None) -> list[dict]:  # fmt: skip
+    """closed_loop for each of `engines` (each its own closed loop of `concurrency` requests
+    over `prompts`, its own prefix-cache salt), run in turns of `turn_steps` steps
+    (_lockstep), warmed up one after another first. Each result's wall_s and throughputs
+    are its own turns' time; TPOT and TTFT, which wall-clock times of its requests would
+    give, include the other engines' turns and are left out (None)."""
+    for i, engine in enumerate(engines):
+        _warm(engine, prompts, params_for, concurrency, warmup, warmup_tokens, f"{salt}e{i}-")
+    runs = [_steps(engine, prompts, params_for, concurrency, f"{salt}e{i}-")
+            for i, engine in enumerate(engines)]  # fmt: skip
+    return [_summary(run, prompts, concurrency, None, latencies=False) | {"turn_steps": turn_steps}
+            for run in _lockstep(runs, turn_steps, sync)]  # fmt: skip
+
+
+def _warm(engine, prompts: list, params_for, concurrency: int, warmup: int,
+          warmup_tokens: int, salt: str | None) -> None:  # fmt: skip
+    """The first `warmup` prompts cut to `warmup_tokens` tokens, unmeasured."""
     if warmup > 0:
         def cut(i: int):
             p = params_for(i)
@@ -106,7 +176,10 @@ def closed_loop(engine, prompts: list, params_for: Callable[[int], object], conc
                                                          warmup_tokens))  # fmt: skip
 
         _drive(engine, prompts[:warmup], cut, concurrency, f"{salt or ''}warmup")
-    run = _drive(engine, prompts, params_for, concurrency, salt)
+
+
+def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
+             latencies: bool = True) -> dict:  # fmt: skip
     done = run["outputs"]
     if outputs is not None:
         outputs.extend(done)
@@ -125,8 +198,8 @@ def closed_loop(engine, prompts: list, params_for: Callable[[int], object], conc
         "output_tokens": sum(tokens), "wall_s": wall,
         "output_throughput": sum(tokens) / wall if wall > 0 else 0.0,
         "request_throughput": len(done) / wall if wall > 0 else 0.0,
-        "mean_tpot_ms": statistics.fmean(tpots) if tpots else None,
-        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+        "mean_tpot_ms": statistics.fmean(tpots) if tpots and latencies else None,
+        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts and latencies else None,
         "steps": run["steps"],
         # engine.step()'s own time per step; the rest of the wall time is the loop's
         "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
@@ -196,6 +269,25 @@ def _level(args, engine, t: float, c: int, salt: str) -> dict:
                        args.warmup_tokens_per_level, salt=salt)  # fmt: skip
 
 
+def _level_in_turns(args, engines: list, t: float, c: int, salt: str) -> list[dict]:
+    """One closed loop of level c at temperature t per engine, run in turns of
+    --offline-turn-steps steps (closed_loops_in_turns; a turn ends with the device synced)."""
+    from dspark import SamplingParams
+
+    raw, max_tokens = level_prompts(args, c)
+    prompts = pretokenized(engines[0], raw, max_tokens)  # (one target, one tokenizer)
+    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    warm = c if args.warmup_tokens_per_level > 0 else 0
+    sync = lambda: None  # noqa: E731
+    if engines[0].device.type == "cuda":
+        import torch
+
+        sync = torch.cuda.synchronize
+    return closed_loops_in_turns(engines, prompts, params.__getitem__, c,
+                                 args.offline_turn_steps, warm,
+                                 args.warmup_tokens_per_level, salt, sync)  # fmt: skip
+
+
 def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[int],
                   temps: list[float], on_arm: Callable[[dict], None] | None = None) -> dict:
     """Every arm at every level and temperature. Returns {"levels", "temperatures", "rounds",
@@ -208,7 +300,8 @@ def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[i
     thirty-eighth session), `on_arm` given the result after each level. A run cut short
     keeps what was handed out."""
     rounds = args.rounds if args.interleave else 1  # (bench_e2e checked --rounds >= 1)
-    result = {"levels": levels, "temperatures": temps, "rounds": rounds, "arms": {}}
+    result = {"levels": levels, "temperatures": temps, "rounds": rounds, "arms": {},
+              "turn_steps": args.offline_turn_steps if args.interleave else 0}
     pinned_from = None
     if args.engine_cpus:  # this process is the engine now: on the servers' engine CPUs
         from dspark.engine.cpu_affinity import parse_cpu_list, pin
@@ -253,8 +346,14 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
                 for r in range(rounds):
                     order = engines if r % 2 == 0 else engines[::-1]
                     orders.append([arm for arm, _ in order])
+                    salt = f"offline-t{t:g}-c{c}-r{r}-"
+                    if args.offline_turn_steps:  # every arm at once, in turns of steps
+                        rows = _level_in_turns(args, [llm.engine for _, llm in order], t, c,
+                                               salt)  # fmt: skip
+                        for (arm, _), row in zip(order, rows, strict=True):
+                            runs[arm].append(row)
+                        continue
                     for arm, llm in order:
-                        salt = f"offline-t{t:g}-c{c}-r{r}-"
                         runs[arm].append(_level(args, llm.engine, t, c, salt))
                 for arm, rows in runs.items():
                     by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -167,7 +168,7 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
         device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
         interleave=True, rounds=3, warmup_tokens_per_level=2, dataset="random",
         dataset_path=None, input_len=8, output_len=5, range_ratio=0.0, num_prompts=3,
-        prompts_per_concurrency=1.0)  # fmt: skip
+        prompts_per_concurrency=1.0, offline_turn_steps=0)  # fmt: skip
     order = [("nospec", None), ("adaptive3", {"model": f"{DEMO}/drafter",
                                               "num_speculative_tokens": 3,
                                               "enable_adaptive_verification": True})]
@@ -225,3 +226,67 @@ def test_median_round_is_the_lower_middle_by_throughput():
     mid = median_round(rows)
     assert mid["tag"] == 3 and mid["rounds"] == [5.0, 1.0, 9.0, 3.0]
     assert median_round(rows[:1])["rounds"] == [5.0]
+
+
+def test_lockstep_runs_generators_in_turns_and_charges_each_its_own_time():
+    """_lockstep: round robin, `turn` steps at a time, a sync ending every turn (inside it);
+    a generator done early drops out; each result's wall_s gains its turns' syncs."""
+    import offline_sweep as osw
+
+    calls = []
+
+    def run(name: str, steps: int):
+        for i in range(steps):
+            calls.append((name, i))
+            yield
+        return {"name": name, "wall_s": 1.0}
+
+    syncs = []
+    res = osw._lockstep([run("a", 5), run("b", 2)], 2, lambda: syncs.append(len(calls)))
+    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4)]
+    assert [r["name"] for r in res] == ["a", "b"]
+    assert syncs == [2, 4, 6, 6, 7]  # after every turn, the ending ones included
+    assert all(r["wall_s"] >= 1.0 for r in res)
+
+
+def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turns(tmp_path,
+                                                                                monkeypatch):
+    """--offline-turn-steps 2: each level's arms run their closed loops at once, two engine
+    steps a turn, each with every prompt completed and exactly C requests held; an arm's
+    throughput is over its own time (its wall_s under the level's), TPOT/TTFT left out
+    (demo pair, CPU)."""
+    import offline_sweep as osw
+
+    order = []
+    real_open = osw._open
+
+    def spy_open(args, arm, spec, levels):
+        llm = real_open(args, arm, spec, levels)
+        step = llm.engine.step
+        llm.engine.step = lambda: order.append(arm) or step()
+        return llm
+
+    monkeypatch.setattr(osw, "_open", spy_open)
+    args = argparse.Namespace(
+        target=f"{DEMO}/target", out=str(tmp_path), num_kv_blocks=None, load_format="auto",
+        device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
+        interleave=True, rounds=2, warmup_tokens_per_level=2, dataset="random",
+        dataset_path=None, input_len=8, output_len=6, range_ratio=0.0, num_prompts=4,
+        prompts_per_concurrency=1.0, offline_turn_steps=2)  # fmt: skip
+    arms = [("nospec", None), ("fixed3", {"model": f"{DEMO}/drafter",
+                                          "num_speculative_tokens": 3,
+                                          "adaptive_policy": "fixed"})]
+    t0 = time.perf_counter()
+    res = osw.offline_sweep(args, arms, [2, 3], [0.0])
+    elapsed = time.perf_counter() - t0
+    assert res["turn_steps"] == 2
+    for arm in ("nospec", "fixed3"):
+        for r in res["arms"][arm]["by_temperature"]["0"]:
+            c = r["max_concurrency"]
+            assert r["completed"] == r["num_prompts"] == max(4, c) and r["max_in_flight"] == c
+            assert r["output_tokens"] == 6 * r["completed"]
+            assert r["mean_tpot_ms"] is None and r["mean_ttft_ms"] is None
+            assert 0 < r["wall_s"] < elapsed and r["output_throughput"] > 0
+    # the arms' steps interleaved, at most two in a row while both were running
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches >= 8
