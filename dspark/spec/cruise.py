@@ -2,20 +2,21 @@
 
 Where verification costs little against the step (a small target, or a host-bound engine),
 every plan of the lagged policy comes out verify-all, and planning is pure overhead. On an
-H100 (trained pair, T = 1, forty-first session) adaptive verified 99.98% of fixed K's drafts
-offline at C = 128 and 256, in the same number of steps, and ran 8% slower: its plans (the
-budget searches of steps with prefill chunks, whose chunk sizes and rates change at every
-step; the drafting decisions; the paths that stand a plan) cost ~0.23 ms a step more than
-fixed K's host work.
+H100 (trained pair, T = 1, forty-first session) adaptive verified 99.98% of its drafts
+offline at C = 128 (fixed K: all of them), in as many steps as fixed K, and ran 8% slower:
+its plans (the budget searches of steps with prefill chunks, whose chunk sizes and rates
+change at every step; the drafting decisions; the paths that stand a plan) cost ~0.23 ms a
+step more than fixed K's host work.
 
 After CRUISE_AFTER plans in a row that verified every draft with drafting on (whatever path
 planned them; a quarter as many after a cruise that no trim ended), the next `life` plans of
 shapes like those seen in the streak verify every draft without planning
-(StepPlanning._plan_cruise). The life starts at CRUISE_FIRST plans and
-doubles at each cruise that ends with the next streak, up to CRUISE_MAX; any plan that trims
-or stops drafting ends the cruise and resets the life. Shapes "like those seen": at most
-~1/4 more requests and a prefill chunk of at most the next power of two above the largest
-seen; other shapes take the full path (their verdict, if verify-all, extends the streak).
+(StepPlanning._plan_cruise). The life starts at CRUISE_FIRST plans and doubles at each cruise
+that ends with the next streak, up to CRUISE_MAX; any plan that trims or stops drafting ends
+the cruise and resets the life (a plain probe's step, which measures plain decoding while
+drafting pays, neither ends nor extends it). Shapes "like those seen": at most ~1/4 more
+requests and a prefill chunk of at most the next power of two above the largest seen; other
+shapes take the full path (their verdict, if verify-all, extends the streak).
 
 What a cruise does not skip: the drafting decision at its cadence (a batch size that moved
 by a quarter forces one) and any probe (DraftingDecision.routine says none is due), the

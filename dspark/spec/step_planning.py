@@ -1,6 +1,6 @@
 """The host's half of a speculative step (SpecDecoder's mixin): the lagged policy's budget
-from stale host confidences, the drafting decision's cadence, every step's kind, and what the
-online cost model observes of the step once it ran.
+from stale host confidences, the drafting decision's cadence and every step's kind (what the
+online cost model observes of the step once it ran: step_observation.py).
 
 A plan the cost bound settles (verify every draft whatever the confidences: the common step
 at low load; also with the learned trim penalty, where trims save nothing), or a searched
@@ -27,7 +27,7 @@ from dspark.spec.online_cost import size_bucket
 from dspark.spec.plan_reuse import nearby_rows
 from dspark.spec.planner import REUSE_CLEAR_PLANS
 from dspark.spec.rates import RateMemo, decode_rate
-from dspark.spec.stale_confidences import StaleConfidences
+from dspark.spec.step_observation import StepObservation
 from dspark.spec.tracing import step_kind
 
 SETTLED_PLANS = REUSE_CLEAR_PLANS  # as long as a searched verify-all clear of the guard stands
@@ -39,9 +39,9 @@ UNTRIMMED_PROBE_EVERY = 512
 RATE_MEMO_PLANS = 2 * SETTLED_PLANS
 
 
-class StepPlanning(StaleConfidences):
-    """Mixin of SpecDecoder: plan (before launch), step_tag / take_prediction (at launch),
-    observe_step_time (after commit), and the scheduler-overhead accounting."""
+class StepPlanning(StepObservation):
+    """Mixin of SpecDecoder: plan (before launch); what the step is observed by after it
+    ran: step_observation.py."""
 
     settled_plans = SETTLED_PLANS  # (1: every plan re-reads the terms and the bound)
     # (requests, greedy) -> [the plan count it stands until, its draft fills, whether it was
@@ -131,12 +131,9 @@ class StepPlanning(StaleConfidences):
 
     def _plan_standing(self, total: int, context: int, t0: float) -> int:
         """A settled plan standing (_stand) on a routine step (DraftingDecision.routine): what
-        plan() and _after_budget do for it, in one call. In the H200 host's serving loop
-        such plans took 27-29 µs each at c = 16 on the trained pair (thirty-second session),
-        ~2% of a 1.3 ms step, against fixed K's ~6 µs: their cost is the objects and methods
-        a plan touches with the caches cold, not its arithmetic (20-23 -> 15-19 µs cold on
-        the development machine; in situ, with the thirty-third session's cuts, "other"
-        plans at c = 16 took 17-18 µs, thirty-fourth session)."""
+        plan() and _after_budget do for it, in one call (its cost is the objects a plan
+        touches with the caches cold: 17-29 µs in the H200 host's loop at c = 16, against
+        fixed K's ~6; thirty-second to thirty-fourth sessions)."""
         if self.cost is not None:
             self.cost.set_step_context(context)  # (step_tag prices the step's context read)
         room = self._draft_room
@@ -174,10 +171,8 @@ class StepPlanning(StaleConfidences):
         whose shape the planner has a plan standing: that plan, without applying the terms
         (the memoized rate was priced on terms at most SETTLED_PLANS plans old, and the next
         plan that reads them applies them first: a standing plan reads none) or gathering
-        the search's inputs; None: the full path plans it. At c = 64 on the H200 such steps
-        were ~29% of the plans (trained pair, thirty-fifth session). Cold, development
-        machine, one step replanned: 22-105 µs against 34-145 on the full path, paired runs
-        on a noisy machine (plan_cost.py's mixed plan: 76-113 -> 63-69 µs at 1 request)."""
+        the search's inputs; None: the full path plans it (~29% of the plans at c = 64 on
+        the H200, trained pair, thirty-fifth session)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
             return None
@@ -292,13 +287,9 @@ class StepPlanning(StaleConfidences):
         the mode (sampling mode; whether a survival estimate exists) changed or its
         request-count group (nearby_rows: within ~6%, as standing plans group them) has no
         rate from the last RATE_MEMO_PLANS plans (rates.RateMemo): its fixed terms, survival
-        estimate and context read may be that old. Pricing decoding was 35% of such a plan
-        (16 µs hot, ~70 cold, development machine), and a prompt arriving in chunks plans
-        several in a row, across group edges and back as requests finish. In a closed loop
-        of the demo pair at c = 64 (device work stubbed), a memo repriced by every new
-        survival estimate and lasting SETTLED_PLANS plans sent 95-120 of 209 steps with
-        prefill chunks down the full path, one group memoized 114 of 220; now ~50
-        (thirty-ninth session)."""
+        estimate and context read may be that old. Pricing decoding was 35% of such a plan,
+        and a prompt arriving in chunks plans several in a row, across group edges and back
+        as requests finish (thirty-ninth session)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
             greedy = self.fixed_costs.greedy
@@ -376,48 +367,9 @@ class StepPlanning(StaleConfidences):
                 decide, self.cost, self.fixed_costs, self._online_cost, n, n_sampling, other)
         # a probe covering every row is an ordinary drafting step (whole-step graphs run it)
         self.probing = probe and n > PROBE_ROWS
-        if total > 0:  # (cruise.py: a streak of verify-all plans skips the next ones)
+        # (cruise.py: a streak of verify-all plans skips the next ones; a plain probe's step,
+        # drafting paying but not drafting, is neither)
+        if total > 0 and (self.draft_enabled or not self.drafting.pays):
             self.cruise.record(self._plans_counted, self.draft_enabled and not probe
                                and verifies_all, n, other)  # fmt: skip
         return budget
-
-    def step_tag(self) -> tuple[str, float, bool] | None:
-        """What the online cost model needs of the step just launched, read at launch (with
-        async scheduling it is observed after the next one is planned): its kind, the
-        price of its drafter and context read, and its sampling mode (greedy). None: not
-        observed (no online correction, prefill chunks, or a probe's drafts verified while
-        drafting is off: online_cost.py)."""
-        if not self._online_cost or self._step_other > 0:
-            return None
-        context_ms = self.cost.step_context_ms
-        if not self.draft_enabled:
-            return ("plain", context_ms, self.fixed_costs.greedy) if self._no_drafts else None
-        kind = ("trim" if self._step_trimmed
-                else "eager" if self.graph_steps and not self.ran_as_graph else "spec")  # fmt: skip
-        return kind, self.cost.draft_lookup(self._step_reqs) + context_ms, self.fixed_costs.greedy
-
-    def take_prediction(self) -> tuple | None:
-        """Read at launch: the step just planned decided on its rows' confidences; what they
-        predicted, for DraftingDecision.check_prediction once the step is committed (None:
-        not a decision step with drafts)."""
-        prediction, self._prediction = self._prediction, None
-        return prediction
-
-    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
-                          tag: tuple[str, float, bool] | None) -> None:
-        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
-        if tag is None or num_reqs == 0:
-            return
-        kind, priced_ms, greedy = tag  # (the drafter's and the context read's price)
-        variable = self.cost.verify_lookup(num_tokens) + priced_ms  # dense table: every step
-        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
-
-    def count_allocation_ms(self, ms: float) -> None:
-        """Allocation time measured elsewhere (inside a whole-step graph)."""
-        self.overhead.add_alloc(float(ms))
-
-    def scheduler_overhead_ms(self) -> tuple[float, float]:
-        """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
-        for them, so call this from reports, not from the step (/metrics reads
-        `overhead.snapshot()`, which does not wait)."""
-        return self.overhead.totals()

@@ -139,3 +139,26 @@ def test_no_cruise_where_plans_trim(tiny_qwen, drafter, tmp_path):
     assert outs == _plans_free(plain)
     assert sum(trimmed for *_, trimmed, _ in seen) > len(seen) // 4
     assert cruise.cruised == 0
+
+
+def test_a_plain_probe_step_neither_ends_nor_extends_a_cruise_and_drafting_off_ends_it(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """After a generation that cruised, a plan whose step does not draft while drafting pays
+    (a plain probe's) leaves the cruise as it was; one whose drafting decision turned
+    drafting off ends it."""
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    spec_cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
+                "cost_table_path": path}  # fmt: skip
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
+              speculative_config=spec_cfg)  # fmt: skip
+    _, _, cruise = _plans(llm, CRUISE_AFTER)
+    spec = llm.engine.runner.spec
+    assert cruise.cruised > 0 and spec.drafting.pays
+    state = dict(vars(cruise))
+    spec.drafting.after_plan = lambda *a: (False, False)  # (a plain probe's step)
+    spec._after_budget(10, 10, False, 2, 2, 0)
+    assert not spec.draft_enabled and vars(cruise) == state
+    spec.drafting.pays = False  # (drafting turned off by the decision)
+    spec._after_budget(10, 10, False, 2, 2, 0)
+    assert cruise.until == 0 and cruise.streak == 0 and cruise.life == CRUISE_FIRST

@@ -1,0 +1,54 @@
+"""What the online cost model and the drafting decision observe of a speculative step
+(SpecDecoder's mixin, under StepPlanning): its tag, read at launch; its period, after commit;
+the scheduler-overhead accounting."""
+
+from __future__ import annotations
+
+from dspark.spec.stale_confidences import StaleConfidences
+
+
+class StepObservation(StaleConfidences):
+    """step_tag / take_prediction (at launch), observe_step_time (after commit),
+    count_allocation_ms and scheduler_overhead_ms. The attributes read are StepPlanning's
+    and SpecDecoder's."""
+
+    def step_tag(self) -> tuple[str, float, bool] | None:
+        """What the online cost model needs of the step just launched, read at launch (with
+        async scheduling it is observed after the next one is planned): its kind, the
+        price of its drafter and context read, and its sampling mode (greedy). None: not
+        observed (no online correction, prefill chunks, or a probe's drafts verified while
+        drafting is off: online_cost.py)."""
+        if not self._online_cost or self._step_other > 0:
+            return None
+        context_ms = self.cost.step_context_ms
+        if not self.draft_enabled:
+            return ("plain", context_ms, self.fixed_costs.greedy) if self._no_drafts else None
+        kind = ("trim" if self._step_trimmed
+                else "eager" if self.graph_steps and not self.ran_as_graph else "spec")  # fmt: skip
+        return kind, self.cost.draft_lookup(self._step_reqs) + context_ms, self.fixed_costs.greedy
+
+    def take_prediction(self) -> tuple | None:
+        """Read at launch: the step just planned decided on its rows' confidences; what they
+        predicted, for DraftingDecision.check_prediction once the step is committed (None:
+        not a decision step with drafts)."""
+        prediction, self._prediction = self._prediction, None
+        return prediction
+
+    def observe_step_time(self, step_ms: float, num_tokens: int, num_reqs: int,
+                          tag: tuple[str, float, bool] | None) -> None:
+        """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
+        if tag is None or num_reqs == 0:
+            return
+        kind, priced_ms, greedy = tag  # (the drafter's and the context read's price)
+        variable = self.cost.verify_lookup(num_tokens) + priced_ms  # dense table: every step
+        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
+
+    def count_allocation_ms(self, ms: float) -> None:
+        """Allocation time measured elsewhere (inside a whole-step graph)."""
+        self.overhead.add_alloc(float(ms))
+
+    def scheduler_overhead_ms(self) -> tuple[float, float]:
+        """(planning ms, allocation ms) accumulated so far. Reading the device timers waits
+        for them, so call this from reports, not from the step (/metrics reads
+        `overhead.snapshot()`, which does not wait)."""
+        return self.overhead.totals()
