@@ -95,18 +95,23 @@ def _plans(llm, after: int) -> tuple[list, list, Cruise]:
     return seen, [o.outputs[0].token_ids for o in outs], spec.cruise
 
 
+def _cheap_llm(tiny_qwen, drafter, tmp_path) -> LLM:
+    """A lagged engine, four requests at a time, whose table makes verification nearly free
+    beside a 1 ms step (every plan verifies every draft)."""
+    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
+                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
+    return LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
+               speculative_config={"model": drafter, "num_speculative_tokens": 5,
+                                   "adaptive_policy": "lagged", "cost_table_path": path})
+
+
 def test_cruised_plans_are_the_plans_the_full_path_makes_where_verification_is_cheap(
         tiny_qwen, drafter, tmp_path):  # fmt: skip
     """Verification nearly free beside a 1 ms step: every plan verifies every draft. With
     cruises on, most plans after the first streak are cruised, and plan for plan the budget,
     kind, drafting state and draft share are the full path's; the tokens are no
     speculation's."""
-    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
-                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
-    spec = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
-            "cost_table_path": path}  # fmt: skip
-    runs = [_plans(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
-                       speculative_config=spec), after)
+    runs = [_plans(_cheap_llm(tiny_qwen, drafter, tmp_path), after)
             for after in (0, CRUISE_AFTER)]  # fmt: skip
     (full, full_out, off), (fast, fast_out, on) = runs
     plain = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4)
@@ -146,12 +151,7 @@ def test_a_plain_probe_step_neither_ends_nor_extends_a_cruise_and_drafting_off_e
     """After a generation that cruised, a plan whose step does not draft while drafting pays
     (a plain probe's) leaves the cruise as it was; one whose drafting decision turned
     drafting off ends it."""
-    path = _table(tmp_path, "cheap", weight_read_ms=1.0, ms_per_token=0.001,
-                  fixed_overhead_ms=0.5, draft_base_ms=0.05, draft_ms_per_req=0.0)  # fmt: skip
-    spec_cfg = {"model": drafter, "num_speculative_tokens": 5, "adaptive_policy": "lagged",
-                "cost_table_path": path}  # fmt: skip
-    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4,
-              speculative_config=spec_cfg)  # fmt: skip
+    llm = _cheap_llm(tiny_qwen, drafter, tmp_path)
     _, _, cruise = _plans(llm, CRUISE_AFTER)
     spec = llm.engine.runner.spec
     assert cruise.cruised > 0 and spec.drafting.pays

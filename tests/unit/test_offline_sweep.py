@@ -142,6 +142,16 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
 
 
+def _sweep_args(tmp_path, **kw) -> argparse.Namespace:
+    """bench_e2e's arguments as offline_sweep reads them: the demo pair on the CPU,
+    interleaved, random 8-token prompts (`kw`: rounds, output length, prompts, turns)."""
+    return argparse.Namespace(
+        target=f"{DEMO}/target", out=str(tmp_path), num_kv_blocks=None, load_format="auto",
+        device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
+        interleave=True, warmup_tokens_per_level=2, dataset="random", dataset_path=None,
+        input_len=8, range_ratio=0.0, prompts_per_concurrency=1.0, **kw)  # fmt: skip
+
+
 def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_path, monkeypatch):
     """With --interleave the offline sweep opens every arm's engine at once and runs each level
     arm after arm, --rounds times, the order reversed every other round, each round salted
@@ -163,12 +173,7 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
 
     monkeypatch.setattr(osw, "_open", spy_open)
     monkeypatch.setattr(osw, "_level", spy_level)
-    args = argparse.Namespace(
-        target=f"{DEMO}/target", out=str(tmp_path), num_kv_blocks=None, load_format="auto",
-        device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
-        interleave=True, rounds=3, warmup_tokens_per_level=2, dataset="random",
-        dataset_path=None, input_len=8, output_len=5, range_ratio=0.0, num_prompts=3,
-        prompts_per_concurrency=1.0, offline_turn_steps=0)  # fmt: skip
+    args = _sweep_args(tmp_path, rounds=3, output_len=5, num_prompts=3, offline_turn_steps=0)
     order = [("nospec", None), ("adaptive3", {"model": f"{DEMO}/drafter",
                                               "num_speculative_tokens": 3,
                                               "enable_adaptive_verification": True})]
@@ -267,12 +272,7 @@ def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turn
         return llm
 
     monkeypatch.setattr(osw, "_open", spy_open)
-    args = argparse.Namespace(
-        target=f"{DEMO}/target", out=str(tmp_path), num_kv_blocks=None, load_format="auto",
-        device="cpu", max_model_len=128, max_num_batched_tokens=256, engine_cpus=None,
-        interleave=True, rounds=2, warmup_tokens_per_level=2, dataset="random",
-        dataset_path=None, input_len=8, output_len=6, range_ratio=0.0, num_prompts=4,
-        prompts_per_concurrency=1.0, offline_turn_steps=2)  # fmt: skip
+    args = _sweep_args(tmp_path, rounds=2, output_len=6, num_prompts=4, offline_turn_steps=2)
     arms = [("nospec", None), ("fixed3", {"model": f"{DEMO}/drafter",
                                           "num_speculative_tokens": 3,
                                           "adaptive_policy": "fixed"})]
