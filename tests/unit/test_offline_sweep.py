@@ -85,6 +85,19 @@ def test_bench_e2e_rejects_bad_offline_sweep_levels(monkeypatch, capsys, value):
     assert exc.value.code == 2 and "argument --offline-sweep" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [["--offline-turn-steps", "-1"],
+                                   ["--offline-turn-steps", "4"],  # (no --interleave)
+                                   ["--offline-turn-steps", "4", "--interleave"]])  # (no sweep)
+def test_bench_e2e_rejects_turns_without_an_interleaved_offline_sweep(monkeypatch, capsys,
+                                                                     extra):
+    sweep = [] if "--interleave" in extra else ["--offline-sweep", "128"]
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
+                                      "--device", "cpu", *sweep, *extra])  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        bench_e2e.main()
+    assert exc.value.code == 2 and "--offline-turn-steps" in capsys.readouterr().err
+
+
 def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     tmp_path, monkeypatch, capsys
 ):
