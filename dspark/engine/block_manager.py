@@ -100,6 +100,7 @@ class BlockManager:
                 table.append(b)
             self.block_tables[req.request_id] = table
             self.block_hashes[req.request_id] = [self.block_hash[b] for b in cached]
+            req.num_hashed_blocks = len(cached)
         for _ in range(max(0, need)):
             block, _ = self.free_blocks.popitem(last=False)
             old = self.block_hash[block]
@@ -114,6 +115,7 @@ class BlockManager:
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, None)
         self.block_hashes.pop(req.request_id, None)
+        req.num_hashed_blocks = 0
         if table is None:
             return
         for block in reversed(table):  # tail blocks become the first to be evicted
@@ -122,15 +124,20 @@ class BlockManager:
                 self.free_blocks[block] = None
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register req's blocks that are full of committed, computed tokens."""
+        """Register req's blocks that are full of committed, computed tokens. Hot (every
+        request, every step): one that fills no block past those registered
+        (req.num_hashed_blocks: len(block_hashes[id])) returns at the second test; the
+        lookups below cost ~0.9 µs a call."""
         if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens, len(req.token_ids)) // bs  # committed only
+        if num_full <= req.num_hashed_blocks:
             return
         table = self.block_tables.get(req.request_id)
         if table is None:
             return
         hashes = self.block_hashes[req.request_id]
-        bs = self.block_size
-        num_full = min(req.num_computed_tokens, len(req.token_ids)) // bs  # committed only
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             h = self._chain_hash(parent, req, i)
@@ -140,6 +147,7 @@ class BlockManager:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
             parent = h
+        req.num_hashed_blocks = len(hashes)
 
     def block_table(self, req: Request) -> list[int]:
         return self.block_tables.get(req.request_id, [])

@@ -187,6 +187,7 @@ class Request:
         self.num_pending = 0
         self.max_total_tokens = 1 << 62  # set by the engine: the length at which it finishes
         self.num_cached_tokens = 0  # prefix-cache hit at the last admission
+        self.num_hashed_blocks = 0  # of its blocks, those the block manager has registered
         self.num_preemptions = 0
         self.has_drafts = False  # drafts for the next verify live on the device
         self.slot: int = -1  # row in the runner's persistent per-request device buffers

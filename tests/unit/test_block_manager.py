@@ -52,16 +52,18 @@ def test_never_hits_the_whole_prompt():
     assert len(bm.find_cached_prefix(same)) == 1  # the last token must still be computed
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_randomized_schedule_keeps_integrity(tiny_qwen, seed):
+@pytest.mark.parametrize("seed,ahead", [(0, True), (1, True), (0, False)])
+def test_randomized_schedule_keeps_integrity(tiny_qwen, seed, ahead):
+    """`ahead`: async scheduling (a step in flight at every check) or not (each step
+    committed when step() returns: every full committed block is registered then)."""
     rnd = random.Random(seed)
     llm = LLM(
         tiny_qwen, device="cpu", block_size=4, num_kv_blocks=20, max_num_seqs=6,
-        max_num_batched_tokens=24,
+        max_num_batched_tokens=24, async_scheduling=ahead,
     )  # fmt: skip
     engine = llm.engine
     bm = engine.block_manager
-    live, n_added, n_aborted, finished = [], 0, 0, 0
+    live, n_added, n_aborted, finished, settled = [], 0, 0, 0, 0
     shared = [rnd.randrange(384) for _ in range(8)]
     for step in range(160):
         if n_added < 30 and rnd.random() < 0.4:
@@ -86,6 +88,12 @@ def test_randomized_schedule_keeps_integrity(tiny_qwen, seed):
                 live.remove(out.request_id)
                 assert len(out.outputs[0].token_ids) <= 25
         bm.check_integrity()
+        for req in engine.scheduler.running:  # the request's count of its registered blocks
+            hashes = bm.block_hashes.get(req.request_id, [])  # (and with no step in flight,
+            assert req.num_hashed_blocks == len(hashes)  # every full committed block)
+            if engine._in_flight is None:
+                settled += 1
+                assert len(hashes) == min(req.num_computed_tokens, len(req.token_ids)) // 4
         if not engine.has_unfinished_requests() and n_added >= 30:
             break
     while engine.has_unfinished_requests():
@@ -96,6 +104,7 @@ def test_randomized_schedule_keeps_integrity(tiny_qwen, seed):
     assert finished + n_aborted == n_added
     assert engine.stats["preemptions"] > 0
     assert bm.num_free_blocks == bm.num_blocks - 1  # nothing leaked
+    assert settled > 10 or ahead, settled  # (requests checked with no step in flight)
 
 
 def test_block_table_mirror_matches_the_tables_through_reuse():
