@@ -87,8 +87,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
                     add()
         # the requests of the step this call launched, less those its commit finished
         batch.append(len(sched.running))
-        now = time.perf_counter()
-        own += now - start
+        own += time.perf_counter() - start
         yield
         start = time.perf_counter()
     own += time.perf_counter() - start
@@ -257,35 +256,36 @@ def _open(args, arm: str, spec: dict | None, levels: list[int]):
                max_num_batched_tokens=args.max_num_batched_tokens, **kw)  # fmt: skip
 
 
-def _level(args, engine, t: float, c: int, salt: str) -> dict:
-    """One closed loop of level c at temperature t (salt: this run's prefix-cache salt)."""
+def _level_inputs(args, engine, t: float, c: int) -> tuple[list, Callable, int]:
+    """(the prompts tokenized, request i's sampling params, warm-up prompts) of level c at
+    temperature t."""
     from dspark import SamplingParams
 
     raw, max_tokens = level_prompts(args, c)
     prompts = pretokenized(engine, raw, max_tokens)
     params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    warm = c if args.warmup_tokens_per_level > 0 else 0
-    return closed_loop(engine, prompts, params.__getitem__, c, warm,
-                       args.warmup_tokens_per_level, salt=salt)  # fmt: skip
+    return prompts, params.__getitem__, c if args.warmup_tokens_per_level > 0 else 0
+
+
+def _level(args, engine, t: float, c: int, salt: str) -> dict:
+    """One closed loop of level c at temperature t (salt: this run's prefix-cache salt)."""
+    prompts, params_for, warm = _level_inputs(args, engine, t, c)
+    return closed_loop(engine, prompts, params_for, c, warm, args.warmup_tokens_per_level,
+                       salt=salt)  # fmt: skip
 
 
 def _level_in_turns(args, engines: list, t: float, c: int, salt: str) -> list[dict]:
     """One closed loop of level c at temperature t per engine, run in turns of
     --offline-turn-steps steps (closed_loops_in_turns; a turn ends with the device synced)."""
-    from dspark import SamplingParams
-
-    raw, max_tokens = level_prompts(args, c)
-    prompts = pretokenized(engines[0], raw, max_tokens)  # (one target, one tokenizer)
-    params = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    warm = c if args.warmup_tokens_per_level > 0 else 0
+    # (one target, one tokenizer: the first engine's tokens serve every arm)
+    prompts, params_for, warm = _level_inputs(args, engines[0], t, c)
     sync = lambda: None  # noqa: E731
     if engines[0].device.type == "cuda":
         import torch
 
         sync = torch.cuda.synchronize
-    return closed_loops_in_turns(engines, prompts, params.__getitem__, c,
-                                 args.offline_turn_steps, warm,
-                                 args.warmup_tokens_per_level, salt, sync)  # fmt: skip
+    return closed_loops_in_turns(engines, prompts, params_for, c, args.offline_turn_steps,
+                                 warm, args.warmup_tokens_per_level, salt, sync)  # fmt: skip
 
 
 def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[int],

@@ -73,15 +73,7 @@ class SpecStats:
     reached_hist: list[int] = field(default_factory=list)  # rounds by slots tested
 
     def record(self, num_drafted: int, num_verified: int, num_accepted: int) -> None:
-        self.num_steps += 1
-        self.num_drafted_tokens += num_drafted
-        self.num_verified_tokens += num_verified
-        self.num_accepted_tokens += num_accepted
-        if num_drafted > self.width:
-            self.width = num_drafted
-        _bump(self.verified_hist, num_verified)
-        _bump(self.accepted_hist, num_accepted)
-        _bump(self.reached_hist, min(num_accepted + 1, num_verified))
+        self.record_counts({(num_drafted, num_verified, num_accepted): 1})
 
     def record_many(self, drafted, verified, accepted) -> None:
         """`record` for many rounds at once (the rows of a step), vectorized."""

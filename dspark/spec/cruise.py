@@ -65,6 +65,3 @@ class Cruise:
             self.until = plans + 1 + self.life
             self.life = min(2 * self.life, CRUISE_MAX)
             self.streak = 0
-
-    def stood(self) -> None:
-        self.cruised += 1

@@ -134,13 +134,7 @@ class StepPlanning(StepObservation):
         plan() and _after_budget do for it, in one call (its cost is the objects a plan
         touches with the caches cold: 17-29 µs in the H200 host's loop at c = 16, against
         fixed K's ~6; thirty-second to thirty-fourth sessions)."""
-        if self.cost is not None:
-            self.cost.set_step_context(context)  # (step_tag prices the step's context read)
-        room = self._draft_room
-        budget = total if room is None or total <= room else room
-        self.last_budget = budget
-        self._step_trimmed = 0 <= budget < total
-        self.draft_enabled, self.probing = True, False  # (routine: drafting pays, no probe)
+        budget = self._verify_all(total, context)
         self.cruise.record(self._plans_counted, True, self._step_reqs, 0)
         self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
         verifies = self.last_verifies = budget != 0 and total > 0
@@ -151,18 +145,24 @@ class StepPlanning(StepObservation):
     def _plan_cruise(self, host, total: int, other: int, context: int, t0: float) -> int:
         """A plan a cruise stands for (cruise.py): every draft verified, within the draft room,
         on a routine step (DraftingDecision.routine made its bookkeeping)."""
-        if self.cost is not None:
-            self.cost.set_step_context(context)  # (step_tag prices the step's context read)
+        budget = self._verify_all(total, context)
         if other:
             self.draft_share = 1.0  # (what _after_budget records of a verify-all)
+        self.cruise.cruised += 1
+        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "cruise")
+        return self._count_step(host, budget, total, other)
+
+    def _verify_all(self, total: int, context: int) -> int:
+        """The budget and state of a routine plan verifying every draft (a standing or cruised
+        plan): drafting on, no probe, the budget within the draft room."""
+        if self.cost is not None:
+            self.cost.set_step_context(context)  # (step_tag prices the step's context read)
         room = self._draft_room
         budget = total if room is None or total <= room else room
         self.last_budget = budget
         self._step_trimmed = budget < total
         self.draft_enabled, self.probing = True, False
-        self.cruise.stood()
-        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "cruise")
-        return self._count_step(host, budget, total, other)
+        return budget
 
     def _plan_chunk_standing(self, host, n: int, total: int, other: int, n_sampling: int,
                              greedy: bool, context: int, t0: float) -> int | None:  # fmt: skip
