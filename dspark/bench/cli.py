@@ -91,6 +91,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     a("--percentiles", type=_percentiles, default=(50.0, 95.0, 99.0), help="default 50,95,99")
     a("--save-result", default=None, metavar="FILE.json")
     a("--plot", default=None, metavar="FILE.png", help="default for sweeps: next to the JSON")
+    a("--no-plot", action="store_true", help="write no plot, not even a sweep's")
     a("--label", default=None, help="arm name stored in the result (plot legend)")
     a("--extra-body", type=_json_object, default={}, help="JSON merged into every request body")
     a("--timeout", type=float, default=6 * 3600.0, help="per-request timeout in seconds")
@@ -338,7 +339,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     plot_path = args.plot
     if plot_path is None and args.sweep and args.save_result:
         plot_path = str(Path(args.save_result).with_suffix(".png"))
-    if plot_path:
+    if plot_path and not args.no_plot:
         from dspark.bench.plot import plot_arms
 
         label = args.label or (Path(args.save_result).stem if args.save_result else "run")

@@ -598,6 +598,13 @@ def test_prompts_scale_with_concurrency(fake_server, tmp_path, capsys):
     assert [r["completed"] for r in doc["results"]] == [3, 8]
     assert doc["config"]["prompts_per_concurrency"] == 2
     assert len(srv.bodies) == 11 and len({b["prompt"] for b in srv.bodies}) == 11
+    assert result.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC  # a sweep's default plot
+    quiet = tmp_path / "quiet.json"  # ... and none with --no-plot (bench_e2e.py's level runs)
+    rc, cap = _run(capsys, "--base-url", srv.url, "--sweep", "1,4", "--num-prompts", 3,
+                   "--random-input-len", 8, "--random-output-len", 4, "--save-result", quiet,
+                   "--no-plot")
+    assert rc == 0 and quiet.exists() and not quiet.with_suffix(".png").exists()
+    assert "wrote" in cap.out and ".png" not in cap.out
     rc, cap = _run(capsys, "--base-url", srv.url, "--num-prompts", 3,
                    "--prompts-per-concurrency", -1)
     assert rc == 2 and "--prompts-per-concurrency" in cap.err

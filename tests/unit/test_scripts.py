@@ -231,6 +231,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
         files = [tmp_path / f"{a}_t0_c{level}_r{r}.json" for a in order]
         times = [f.stat().st_mtime_ns for f in files]
         assert times == sorted(times), (level, r, order, times)
+        assert not any(f.with_suffix(".png").exists() for f in files)  # (--no-plot)
         stamps.append((min(times), max(times)))
     # each round of each level ran after every earlier one
     assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
