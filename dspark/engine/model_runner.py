@@ -32,6 +32,7 @@ from dspark.engine.input_batch import (
     resolve_pending,
     upload_step,
 )
+from dspark.engine.kv_sizing import drafter_share, num_kv_blocks
 from dspark.engine.scheduler import SchedulerOutput
 from dspark.engine.step_clock import clock_for
 from dspark.engine.step_graph import CaptureFailed, StepGraphs
@@ -104,7 +105,7 @@ class ModelRunner:
         self.feeds_pending = schedules_ahead(config)  # (else the buffer is never read)
         self.last_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64,
                                        device=device)  # fmt: skip
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_kv_blocks(self)
         max_len = config.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
         shape = (model_cfg.num_hidden_layers, self.num_blocks, self.block_size)
@@ -173,8 +174,8 @@ class ModelRunner:
 
             install_cost_model(self)
         logger.info(
-            "KV cache: %d blocks x %d tokens (%s, %s backend)",
-            self.num_blocks, self.block_size, device, self.backend.name,
+            "KV cache: %d blocks x %d tokens (%s, %s backend)%s",
+            self.num_blocks, self.block_size, device, self.backend.name, drafter_share(self),
         )  # fmt: skip
 
     @property
@@ -185,16 +186,6 @@ class ModelRunner:
         return -(-(self.max_model_len + k + 1) // self.block_size) + 1
 
     # -- memory ---------------------------------------------------------------------------
-    def _bytes_per_block(self) -> int:
-        c = self.model_cfg
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        num_kv_heads = c.num_key_value_heads // self.tp.size  # this rank's
-        per = 2 * c.num_hidden_layers * self.block_size * num_kv_heads * c.head_dim
-        per *= elem
-        if self.spec is not None:
-            per += self.spec.drafter.kv_cache_bytes_per_block(self.block_size)
-        return per
-
     def _captures_graphs_of_prefill_chunks(self) -> bool:
         """Whether this runner can capture graphs over prefill chunks' token counts."""
         return (self.device.type == "cuda" and self.backend.name == "triton"
@@ -211,32 +202,6 @@ class ModelRunner:
         graphs of steps with prefill chunks (step_graph.py)."""
         mixed = self._captures_graphs_of_prefill_chunks() and mixed_graphs_enabled()
         return int(self._wants_prefill_graphs()) + int(mixed)
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = self._bytes_per_block()
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            c = self.model_cfg
-            tokens = self.config.max_num_batched_tokens
-            act = tokens * (8 * c.hidden_size + 4 * c.intermediate_size) * 4
-            act += min(tokens, self.config.max_num_seqs * 8) * c.vocab_size * 4 * 4
-            pools = self._graphs_of_prefill_chunks()  # their memory pools stay allocated
-            if pools:
-                from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS
-
-                act += pools * min(tokens, PREFILL_GRAPH_MAX_TOKENS) * (
-                    4 * c.hidden_size + 2 * c.intermediate_size) * 2  # fmt: skip
-            budget = free - (1 - self.config.gpu_memory_utilization) * total - act
-        else:
-            budget = self.config.cpu_kv_cache_gb * (1 << 30)
-        num = int(budget // per_block)
-        if self.world is not None:  # every rank's cache holds the same blocks
-            num = self.world.min_over_ranks(num)
-        if num < 2:
-            raise RuntimeError("not enough memory for the KV cache; lower max_num_batched_tokens")
-        return num
 
     # -- the step ---------------------------------------------------------------------------
     def num_graph_captures(self) -> int:
