@@ -48,6 +48,7 @@ import numpy as np
 
 from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
+from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes
 from dspark.spec.rates import decode_rates, predicted_accepted, prefix_survival
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter
@@ -61,6 +62,10 @@ _MOVED_MIN = 2
 # step time; at 8B scale 8 steps take longer than this anyway. Decisions on a probe's drafts,
 # after a plain probe or on a batch size that moved are never deferred.
 DECIDE_MIN_S = 0.02
+# ... and no closer than a decision's own host time (running mean: note_decision_s) over this
+# share: the trained pair's routine decisions came every ~10 steps of ~2 ms, 0.2 ms each on an
+# H100's host, 44% of the planning time (109 decisions, 21.8 of 50 ms; forty-second session)
+DECIDE_HOST_SHARE = 0.005
 # ... both twice as far apart after each routine decision that keeps drafting on by twice the
 # guard or more, up to this many times (back to 1x on a closer verdict or a flip): at low load
 # drafting wins by 30-70% and a decision there surveys and prices the batch for ~0.2 ms of
@@ -79,18 +84,6 @@ PROBE_ROWS = 8  # ... for this many rows of the step
 # size moves by a quarter): a probe is an eager step plus one verifying it (H200, 8B shape,
 # c = 128: 28 ms against 9 ms plain steps, sixth session), and a steady verdict needs few
 _PROBE_BACKOFF_MAX = 8
-# planned steps of a plain probe: the first still verifies the drafts before it, the others
-# are observed (with async scheduling a step left in flight is observed by the next call): ~10,
-# more than the fixed term's MIN_SAMPLES, so one probe gives the term of a run of plain steps
-# rather than of the two first ones after drafting (4-step probes learned plain steps far
-# cheaper than a plain server ran them: H200, ninth session)
-_PLAIN_PROBE_STEPS = 12
-_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
-# drafting turns off only on a plain term measured within this many observed steps at the
-# batch size (else a plain probe first: _plain_term_stale), at most one such probe per
-# bucket in _PLAIN_RECENT plans
-_PLAIN_FRESH = 64
-_PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # drafting turns on / off after this many consecutive decisions against its state: a server
 # passes through batch sizes for a step or two (a request finished, the next not yet arrived),
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
@@ -106,7 +99,7 @@ _ACCEPT_MIN_STEPS = 16
 _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
 
 
-class DraftingDecision:
+class DraftingDecision(PlainProbes):
     def __init__(self, k: int, min_predicted_gain: float, enabled: bool,
                  plain_probes: bool = True, min_interval_s: float = 0.0,
                  clock=time.perf_counter):  # fmt: skip
@@ -128,6 +121,7 @@ class DraftingDecision:
         self._since_decision, self._decided_reqs = 0, 0
         self._min_interval_s, self._clock = min_interval_s, clock
         self._decided_at = -math.inf  # clock() at the last decision
+        self._decision_s = 0.0  # a decision plan's host time, running mean (note_decision_s)
         self._decide_spacing = 1  # x _DECIDE_EVERY and x min_interval_s (_DECIDE_BACKOFF_MAX)
         self._forced = False  # the next plan decides whatever the interval (see DECIDE_MIN_S)
         self._skipped = 0  # consecutive steps that skipped drafting
@@ -153,8 +147,8 @@ class DraftingDecision:
         spacing = self._decide_spacing
         if self._since_decision < _DECIDE_EVERY * spacing:
             return False
-        return (self._min_interval_s <= 0
-                or self._clock() - self._decided_at >= self._min_interval_s * spacing)  # fmt: skip
+        interval = self._interval_s()
+        return interval <= 0 or self._clock() - self._decided_at >= interval * spacing
 
     def routine(self, num_reqs: int, online: bool) -> bool:
         """A plan that neither decides nor probes, told from the state alone: due(num_reqs)
@@ -171,8 +165,8 @@ class DraftingDecision:
             return False  # (a decision is due, or a plain probe runs)
         spacing = self._decide_spacing
         if self._since_decision + 1 >= _DECIDE_EVERY * spacing and (
-                self._min_interval_s <= 0
-                or self._clock() - self._decided_at >= self._min_interval_s * spacing):
+                (interval := self._interval_s()) <= 0
+                or self._clock() - self._decided_at >= interval * spacing):
             return False  # (a routine decision is due: due()'s own test)
         if self.pays:  # (a plain probe may be due)
             if online and self._plain_may_win and self.plain_probes and self.enabled:
@@ -185,6 +179,17 @@ class DraftingDecision:
         self._plans += 1
         self._skipped = 0 if self.pays else self._skipped + 1
         return True
+
+    def note_decision_s(self, seconds: float) -> None:
+        """A decision plan's host time: routine decisions then come no closer than the
+        running mean over DECIDE_HOST_SHARE (where a minimum interval is set at all)."""
+        self._decision_s += (seconds - self._decision_s) * (0.2 if self._decision_s else 1.0)
+
+    def _interval_s(self) -> float:
+        """The least time between routine decisions (0: none)."""
+        floor = self._min_interval_s
+        cost = self._decision_s * (1.0 / DECIDE_HOST_SHARE)
+        return floor if floor <= 0 or cost <= floor else cost
 
     def _moved(self, num_reqs: int) -> bool:
         """The batch size moved by a quarter, and by _MOVED_MIN requests at least, since the
@@ -358,43 +363,3 @@ class DraftingDecision:
         if self.pays and self._decided:
             return spec * (1.0 + g) >= plain
         return spec > plain * (1.0 + g)
-
-    def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
-                          prefill_tokens: int) -> bool:  # fmt: skip
-        """A verdict for plain decoding while drafting rests on a plain steps' term not
-        measured at this batch size within the last _PLAIN_FRESH observed steps (or never),
-        and a plain probe can measure it now (a decode step; this bucket not probed in the
-        last _PLAIN_RECENT plans, so a probe whose steps went unobserved does not repeat).
-        The two terms are wall-clock window means, and a host-bound engine's host speed drifts:
-        on the H200's host the same Python work took 0.9-2.2x as long from one second or
-        CPU to the next (scripts/cpu_speed_map.py), so a speculative term measured in a slow
-        spell against a plain term from a fast one turned drafting off where it won (demo
-        pair, c = 4: spec 0.561 ms against plain 0.292 ms at the flip, their level means
-        0.20 / 0.19; 434 plain steps of 2,370, each ~20% less productive)."""
-        if not self.plain_probes or prefill_tokens > 0 or num_sampling == 0:
-            return False
-        if fixed.age("plain", num_sampling) <= _PLAIN_FRESH:
-            return False
-        last = self._plain_probed.get((fixed.greedy, size_bucket(num_sampling)))
-        return last is None or self._plans - last >= _PLAIN_RECENT
-
-    def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
-        """While drafting pays: plain steps at this batch size not measured lately. Only on
-        decode steps (steps with prefill chunks are not observed), at most once per
-        _PLAIN_PROBE_EVERY plans and bucket, and only where the last decision found that
-        plain decoding could win (`_plain_may_win`, plain steps at FixedCosts.plain_floor):
-        elsewhere a probe costs ~60% of its steps' tokens and cannot change the verdict
-        (H200, 8B SYNTHETIC, c = 4: 22 probe steps, -3%; the trained pair, c = 64: a probe
-        at every batch size of a level's tail while priced at the bare forward)."""
-        if (not self.enabled or not self.plain_probes or not self.pays
-                or not self._plain_may_win or self._plain_probe_left > 0
-                or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
-            return False
-        bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
-        last = self._plain_probed.get(bucket)
-        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
-            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
-        ):
-            return False
-        self._plain_probed[bucket] = self._plans
-        return True

@@ -117,7 +117,10 @@ class StepPlanning(StepObservation):
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
             # (the step log names why a search ran: search:new / spent / rate, plan_reuse.py)
             detail = f"search:{self.planner.standing.miss}" if part == "search" else None
-            self.overhead.add_plan(part, (time.perf_counter() - t0) * 1e3, detail)
+            seconds = time.perf_counter() - t0
+            self.overhead.add_plan(part, seconds * 1e3, detail)
+            if decide:  # (what spaces routine decisions: DraftingDecision.note_decision_s)
+                self.drafting.note_decision_s(seconds)
         return self._count_step(host, budget, total, other)
 
     def _count_step(self, host, budget: int | None, total: int, other: int) -> int | None:

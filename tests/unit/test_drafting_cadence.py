@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from dspark.spec.cost_model import CostModel
 
 
@@ -157,6 +159,52 @@ def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
         due.append(unspaced.due(16))
         unspaced.after_plan(due[-1], cost, fixed, False, 16, 16, 0)
     assert [i for i, x in enumerate(due) if x] == [0, 8, 16]
+
+
+def test_a_dear_decision_spaces_the_routine_ones_by_its_own_host_time():
+    """Routine decisions come no closer than a decision's host time (running mean) over
+    DECIDE_HOST_SHARE, where that is longer than DECIDE_MIN_S; forced ones (a batch size that
+    moved by a quarter) still decide at once. Without a minimum interval (tests, the class's
+    default) the clock spaces nothing."""
+    import numpy as np
+
+    import dspark.spec.drafting as drafting
+    from dspark.spec.online_cost import FixedCosts
+
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    now = [0.0]
+    # (draft skipping off: the verdict stands and no probe forces a decision; the cadence is
+    # the same)
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=False,
+                                  plain_probes=False, min_interval_s=0.02,
+                                  clock=lambda: now[0])  # fmt: skip
+    fixed = FixedCosts()
+    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])
+
+    def plans(n: int, decision_s: float, reqs: int = 16) -> list[int]:  # 1 ms apart
+        out = []
+        for i in range(n):
+            due = d.due(reqs)
+            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+            if due:
+                d.note_decision_s(decision_s)
+                out.append(i)
+            now[0] += 0.001
+        return out
+
+    share = drafting.DECIDE_HOST_SHARE
+    cheap = 0.5 * drafting.DECIDE_MIN_S * share  # (its share's interval is under the floor)
+    assert plans(1, cheap) == [0]
+    assert plans(60, cheap) == [19, 39, 59]  # DECIDE_MIN_S apart
+    dear = 0.3e-3  # 0.3 ms a decision: 60 ms apart at a 0.5% share
+    assert dear / share == pytest.approx(0.06)
+    # the running mean moves a fifth of the way per decision: spacing grows to ~60 plans
+    gaps = np.diff(plans(2000, dear)).tolist()
+    assert gaps[0] == 20 and all(59 <= g <= 61 for g in gaps[-10:]), gaps[-12:]
+    assert plans(1, dear, reqs=40) == [0]  # a batch size that moved: at once, as before
+    d._min_interval_s = 0.0  # no interval: every _DECIDE_EVERY plans, whatever the cost
+    assert np.diff(plans(40, dear, reqs=40)).tolist() == [drafting._DECIDE_EVERY] * 4
 
 
 def test_decisions_grow_sparser_while_drafting_wins_widely():

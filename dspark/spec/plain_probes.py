@@ -1,0 +1,74 @@
+"""The drafting decision's plain probes (DraftingDecision's mixin; drafting.py's module doc):
+while drafting pays, a batch size whose plain steps were not measured lately gets
+_PLAIN_PROBE_STEPS steps without drafting, so that plain decoding is priced with its own fixed
+term rather than the speculative steps'."""
+
+from __future__ import annotations
+
+from dspark.spec.online_cost import FixedCosts, size_bucket
+
+# planned steps of a plain probe: the first still verifies the drafts before it, the others
+# are observed (with async scheduling a step left in flight is observed by the next call): ~10,
+# more than the fixed term's MIN_SAMPLES, so one probe gives the term of a run of plain steps
+# rather than of the two first ones after drafting (4-step probes learned plain steps far
+# cheaper than a plain server ran them: H200, ninth session)
+_PLAIN_PROBE_STEPS = 12
+_PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size bucket
+# drafting turns off only on a plain term measured within this many observed steps at the
+# batch size (else a plain probe first: _plain_term_stale), at most one such probe per
+# bucket in _PLAIN_RECENT plans
+_PLAIN_FRESH = 64
+_PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
+
+
+class PlainProbes:
+    """Mixin of DraftingDecision: when a plain probe is due."""
+
+    enabled: bool
+    plain_probes: bool
+    pays: bool
+    survival: object
+    _plans: int
+    _plain_probe_left: int
+    _plain_may_win: bool
+    _plain_probed: dict[tuple, int]
+
+    def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
+                          prefill_tokens: int) -> bool:  # fmt: skip
+        """A verdict for plain decoding while drafting rests on a plain steps' term not
+        measured at this batch size within the last _PLAIN_FRESH observed steps (or never),
+        and a plain probe can measure it now (a decode step; this bucket not probed in the
+        last _PLAIN_RECENT plans, so a probe whose steps went unobserved does not repeat).
+        The two terms are wall-clock window means, and a host-bound engine's host speed drifts:
+        on the H200's host the same Python work took 0.9-2.2x as long from one second or
+        CPU to the next (scripts/cpu_speed_map.py), so a speculative term measured in a slow
+        spell against a plain term from a fast one turned drafting off where it won (demo
+        pair, c = 4: spec 0.561 ms against plain 0.292 ms at the flip, their level means
+        0.20 / 0.19; 434 plain steps of 2,370, each ~20% less productive)."""
+        if not self.plain_probes or prefill_tokens > 0 or num_sampling == 0:
+            return False
+        if fixed.age("plain", num_sampling) <= _PLAIN_FRESH:
+            return False
+        last = self._plain_probed.get((fixed.greedy, size_bucket(num_sampling)))
+        return last is None or self._plans - last >= _PLAIN_RECENT
+
+    def _plain_probe_due(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
+        """While drafting pays: plain steps at this batch size not measured lately. Only on
+        decode steps (steps with prefill chunks are not observed), at most once per
+        _PLAIN_PROBE_EVERY plans and bucket, and only where the last decision found that
+        plain decoding could win (`_plain_may_win`, plain steps at FixedCosts.plain_floor):
+        elsewhere a probe costs ~60% of its steps' tokens and cannot change the verdict
+        (H200, 8B SYNTHETIC, c = 4: 22 probe steps, -3%; the trained pair, c = 64: a probe
+        at every batch size of a level's tail while priced at the bare forward)."""
+        if (not self.enabled or not self.plain_probes or not self.pays
+                or not self._plain_may_win or self._plain_probe_left > 0
+                or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
+            return False
+        bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
+        last = self._plain_probed.get(bucket)
+        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
+            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
+        ):
+            return False
+        self._plain_probed[bucket] = self._plans
+        return True
