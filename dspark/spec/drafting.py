@@ -122,7 +122,7 @@ class DraftingDecision(PlainProbes):
         self._min_interval_s, self._clock = min_interval_s, clock
         self._decided_at = -math.inf  # clock() at the last decision
         self._decision_s = 0.0  # a decision plan's host time, running mean (note_decision_s)
-        self._decide_spacing = 1  # x _DECIDE_EVERY and x min_interval_s (_DECIDE_BACKOFF_MAX)
+        self._decide_spacing = 1  # x _DECIDE_EVERY and x _interval_s() (_DECIDE_BACKOFF_MAX)
         self._forced = False  # the next plan decides whatever the interval (see DECIDE_MIN_S)
         self._skipped = 0  # consecutive steps that skipped drafting
         self._probe_spacing = 1  # x _PROBE_EVERY between draft probes (see _PROBE_BACKOFF_MAX)
