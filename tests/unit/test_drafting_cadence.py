@@ -112,11 +112,22 @@ def test_draft_probes_grow_sparser_while_plain_decoding_wins_widely():
     assert np.diff(probes).tolist() == [every] * (len(probes) - 1) and len(probes) >= 7
 
 
-def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
-    """In the engine routine decisions come every _DECIDE_EVERY plans and at least
-    DECIDE_MIN_S apart (small models' steps are short, a decision step's host work is not);
-    a changed batch size, a plain probe's end and a draft probe's verdict still decide at the
-    next plan whatever the clock says."""
+def _decided_at(d, cost, fixed, n: int, reqs: int, after=None) -> list[int]:
+    """Which of n plans of `reqs` requests decided; `after(due)` after each plan."""
+    out = []
+    for i in range(n):
+        due = d.due(reqs)
+        d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+        if due:
+            out.append(i)
+        if after is not None:
+            after(due)
+    return out
+
+
+def _clocked_decision(enabled: bool):
+    """(a decision spaced by DECIDE_MIN_S on a fake clock, a cost table, fixed terms, the
+    clock's [now]); its survival estimate makes plain decoding the winner."""
     import numpy as np
 
     import dspark.spec.drafting as drafting
@@ -125,11 +136,22 @@ def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
     cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
                               draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
     now = [0.0]
-    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True,
-                                  plain_probes=False, min_interval_s=0.02,
+    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=enabled,
+                                  plain_probes=False, min_interval_s=drafting.DECIDE_MIN_S,
                                   clock=lambda: now[0])  # fmt: skip
-    fixed = FixedCosts()
-    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])  # plain decoding wins
+    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])
+    return d, cost, FixedCosts(), now
+
+
+def test_routine_decisions_are_spaced_in_time_but_forced_ones_are_not():
+    """In the engine routine decisions come every _DECIDE_EVERY plans and at least
+    DECIDE_MIN_S apart (small models' steps are short, a decision step's host work is not);
+    a changed batch size, a plain probe's end and a draft probe's verdict still decide at the
+    next plan whatever the clock says."""
+
+    import dspark.spec.drafting as drafting
+
+    d, cost, fixed, now = _clocked_decision(enabled=True)  # plain decoding wins
 
     def plans(n: int, reqs: int = 16) -> list[bool]:  # which of n plans decide (1 ms apart)
         out = []
@@ -169,29 +191,18 @@ def test_a_dear_decision_spaces_the_routine_ones_by_its_own_host_time():
     import numpy as np
 
     import dspark.spec.drafting as drafting
-    from dspark.spec.online_cost import FixedCosts
 
-    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.0,
-                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
-    now = [0.0]
     # (draft skipping off: the verdict stands and no probe forces a decision; the cadence is
     # the same)
-    d = drafting.DraftingDecision(k=4, min_predicted_gain=0.05, enabled=False,
-                                  plain_probes=False, min_interval_s=0.02,
-                                  clock=lambda: now[0])  # fmt: skip
-    fixed = FixedCosts()
-    d._survival[True] = d.survival = np.array([0.05, 0.01, 0.0, 0.0])
+    d, cost, fixed, now = _clocked_decision(enabled=False)
 
     def plans(n: int, decision_s: float, reqs: int = 16) -> list[int]:  # 1 ms apart
-        out = []
-        for i in range(n):
-            due = d.due(reqs)
-            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
+        def tick(due: bool) -> None:
             if due:
                 d.note_decision_s(decision_s)
-                out.append(i)
             now[0] += 0.001
-        return out
+
+        return _decided_at(d, cost, fixed, n, reqs, tick)
 
     share = drafting.DECIDE_HOST_SHARE
     cheap = 0.5 * drafting.DECIDE_MIN_S * share  # (its share's interval is under the floor)
@@ -226,13 +237,7 @@ def test_decisions_grow_sparser_while_drafting_wins_widely():
     d._survival[True] = d.survival = high
 
     def decided_at(n: int, reqs: int = 16) -> list[int]:
-        out = []
-        for i in range(n):
-            due = d.due(reqs)
-            d.after_plan(due, cost, fixed, False, reqs, reqs, 0)
-            if due:
-                out.append(i)
-        return out
+        return _decided_at(d, cost, fixed, n, reqs)
 
     every, cap = drafting._DECIDE_EVERY, drafting._DECIDE_BACKOFF_MAX
     gaps = np.diff(decided_at(40 * every)).tolist()
