@@ -14,7 +14,10 @@ decodes plainly at every size), so this lines steps up by shape:
     and their mean host µs (an eighth field since the thirty-sixth);
   * prefill capacity the budget-bound steps left unused: tokens below the budget in steps
     whose prefill took at least half of it (a prompt was cut there, so the tokens missing are
-    draft slots charged but not verified), priced at those steps' own ms per token.
+    draft slots charged but not verified), priced at those steps' own ms per token;
+  * with --fit-prefill, the busy time of the steps with prefill chunks (of at least
+    --min-rows rows) fitted to an intercept, a price per prefill token and one per other
+    token (decode rows and verified drafts): what such a step pays beyond its tokens.
 
     python3 scripts/step_log_report.py serve_nospec.log.steps serve_adaptive7.log.steps \
         --budget 8192 --last-level
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import os
 from collections import defaultdict
+
+import numpy as np
 
 
 def read_steps(path: str) -> list[tuple[str, int, int, int, float, float]]:
@@ -81,6 +86,30 @@ def last_level(steps: list) -> list:
     while i > 0 and steps[i - 1][1] < steps[i][1]:
         i -= 1
     return steps[i:]
+
+
+def level(steps: list, k: int) -> list:
+    """The sweep's k-th level from the end (1: the last): last_level of what the later levels
+    leave."""
+    for _ in range(k - 1):
+        steps = steps[: len(steps) - len(last_level(steps))]
+    return last_level(steps)
+
+
+def prefill_fit(named: dict[str, list], min_rows: int = 1) -> list[str]:
+    """Least squares of the busy ms of steps with prefill chunks (at least `min_rows` rows)
+    against an intercept, their prefill tokens and their other tokens."""
+    out = []
+    for name, steps in named.items():
+        fit = [s for s in steps if s[3] > 0 and s[1] >= min_rows]
+        if len(fit) < 4:
+            continue
+        a = np.array([[1.0, s[3], s[2] - s[3]] for s in fit])
+        (c0, cp, cd), *_ = np.linalg.lstsq(a, np.array([s[4] for s in fit]), rcond=None)
+        out.append(f"  {name}: {len(fit)} steps, intercept {c0:.2f} ms, {cp * 1e3:.2f} us a "
+                   f"prefill token, {cd * 1e3:.2f} us a decode or verify token")  # fmt: skip
+    head = f"steps with prefill chunks of {min_rows}+ rows, busy ms fitted:"
+    return [head] + out if out else []
 
 
 def report(name: str, steps: list, budget: int) -> list[str]:
@@ -166,24 +195,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=8192, help="the servers' max batched tokens")
     ap.add_argument("--last-level", action="store_true",
                     help="only the sweep's last level (the ramp to the largest batch onwards)")
+    ap.add_argument("--level", type=int, default=0, metavar="K",
+                    help="only the sweep's K-th level from the end (1: --last-level)")
+    ap.add_argument("--fit-prefill", action="store_true",
+                    help="fit the busy time of the steps with prefill chunks (see above)")
+    ap.add_argument("--min-rows", type=int, default=1, help="of the steps --fit-prefill fits")
     args = ap.parse_args(argv)
+    k = args.level or int(args.last_level)
     named, parts = {}, []
     for path in args.logs:
         steps = read_steps(path)
         name = os.path.basename(path).removeprefix("serve_").split(".")[0]
-        named[name] = last_level(steps) if args.last_level else steps
-        by_kind = plan_parts(path) if not args.last_level else {}  # (whole logs only)
+        named[name] = level(steps, k) if k else steps
+        by_kind = plan_parts(path) if not k else {}  # (whole logs only)
         if any(p != "-" for kinds in by_kind.values() for p in kinds):
             parts.append(f"{name} plans by kind of step: " + "; ".join(
                 f"{k} " + ", ".join(f"{p} {n}" for p, n in sorted(v.items()))
                 for k, v in sorted(by_kind.items())))  # fmt: skip
-        us = plan_us(path) if not args.last_level else {}
+        us = plan_us(path) if not k else {}
         if us:
             parts.append(f"{name} plan µs by kind of step (mean): " + "; ".join(
                 f"{k} " + ", ".join(f"{p} {m:.0f}" for p, m in sorted(v.items()))
                 for k, v in sorted(us.items())))  # fmt: skip
     lines = [ln for name, steps in named.items() for ln in report(name, steps, args.budget)]
-    print("\n".join(lines + parts + decode_by_batch(named) + prefill_by_shape(named)))
+    fit = prefill_fit(named, args.min_rows) if args.fit_prefill else []
+    print("\n".join(lines + parts + decode_by_batch(named) + prefill_by_shape(named) + fit))
     return 0
 
 

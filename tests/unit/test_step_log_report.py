@@ -89,3 +89,27 @@ def test_the_plans_host_us_are_averaged_by_kind_and_part(tmp_path, capsys):
     assert slr.main([str(log)]) == 0
     assert ("adaptive7 plan µs by kind of step (mean): mixed_verify search:rate 250; verify "
             "other 15") in capsys.readouterr().out
+
+
+def test_an_earlier_level_and_the_fit_of_steps_with_prefill(tmp_path, capsys):
+    """--level 2 takes the level before the last (the last level's ramp cut off first);
+    --fit-prefill fits the busy time of its steps with prefill chunks (at least --min-rows
+    rows) to an intercept, a price per prefill token and one per other token."""
+
+    def busy(p: int, d: int) -> float:  # 5 ms + 20 us a prefill token + 30 us another
+        return 5.0 + 0.02 * p + 0.03 * d
+
+    shapes = [(300, 40), (200, 60), (100, 50), (350, 80), (50, 45)]
+    level1 = [("mixed", 3, 40, 37, 99.0, 0.0)]  # (too few rows for the fit)
+    level1 += [("mixed", 40 + i, p + d, p, busy(p, d), 0.0) for i, (p, d) in enumerate(shapes)]
+    level1 += [("plain", 48, 48, 0, 2.0, 0.0)]
+    level2 = [("mixed", 10, 100, 90, 9.0, 0.0), ("plain", 80, 80, 0, 3.0, 0.0)]
+    path = _write(tmp_path / "serve_adaptive7.log.steps", level1 + level2)
+    steps = slr.read_steps(path)
+    assert slr.level(steps, 1) == slr.last_level(steps) == [tuple(s) for s in level2]
+    assert slr.level(steps, 2) == [tuple(s) for s in level1]
+    assert slr.main([path, "--level", "2", "--fit-prefill", "--min-rows", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive7: 7 steps" in out
+    assert ("adaptive7: 5 steps, intercept 5.00 ms, 20.00 us a prefill token, 30.00 us a "
+            "decode or verify token") in out
