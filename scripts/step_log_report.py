@@ -90,7 +90,8 @@ def last_level(steps: list) -> list:
 
 def level(steps: list, k: int) -> list:
     """The sweep's k-th level from the end (1: the last): last_level of what the later levels
-    leave."""
+    leave. Where a level's largest batch first comes mid-level (a closed loop's batch wanders
+    above its concurrency: 140 rows at c = 128), the window starts there: check its steps."""
     for _ in range(k - 1):
         steps = steps[: len(steps) - len(last_level(steps))]
     return last_level(steps)
