@@ -19,16 +19,19 @@ class StaleConfidences:
     # (decoder: a set) slots assigned whose request's first drafting step is not planned
     _unmarked_slots: set[int]
     _conf_marked = 0  # the newest copy generation a first drafting step was marked with
+    _conf_pushed_last: bool  # (decoder) the last drafting step queued its copy
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the newest device->host copy that has landed, never
         waiting for the device, and never the newest one queued: that one holds the
         confidences of the drafts this step verifies, and a budget that reads them is
-        biased (non-anticipation: planner.py; tests/unit/test_lossless_policies.py). NaN
-        (unknown) where the copy read predates the row's request's first drafts
-        (slot_assigned)."""
+        biased (non-anticipation: planner.py; tests/unit/test_lossless_policies.py). Where the
+        last drafting step skipped its copy (a cruise's, decoder._copy_conf_to_host) the
+        newest one queued holds older drafts and may be read. NaN (unknown) where the copy
+        read predates the row's request's first drafts (slot_assigned)."""
         copies = self.host_confs
-        stale = copies.read(before=copies.newest_generation)[slots]
+        before = copies.newest_generation if self._conf_pushed_last else None
+        stale = copies.read(before=before)[slots]
         landed = copies.landed_generation
         if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:
             unknown = self._conf_from[slots] > landed  # a cold read costs ~15 µs more)

@@ -162,3 +162,46 @@ def test_a_plain_probe_step_neither_ends_nor_extends_a_cruise_and_drafting_off_e
     spec.drafting.pays = False  # (drafting turned off by the decision)
     spec._after_budget(10, 10, False, 2, 2, 0)
     assert cruise.until == 0 and cruise.streak == 0 and cruise.life == CRUISE_FIRST
+
+
+def test_cruised_steps_skip_most_confidence_copies_and_no_plan_reads_the_drafts_it_verifies(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """A step whose plan a cruise stood for skips its confidences' host copy, but for one in
+    CONF_PUSH_EVERY in a row. A plan after a skipped copy may read the newest copy queued (it
+    holds older drafts); after a queued one, only older copies (never the drafts the planned
+    step verifies). The tokens are no speculation's."""
+    from dspark.spec.decoder import CONF_PUSH_EVERY
+
+    llm = _cheap_llm(tiny_qwen, drafter, tmp_path)
+    spec = llm.engine.runner.spec
+    copies, copy, stale = spec.host_confs, spec._copy_conf_to_host, spec._stale
+    calls, reads = [], []  # (cruised, copied) per drafting step; (pushed last, newest, read)
+
+    def copying():
+        before = copies.newest_generation
+        copy()
+        calls.append((spec.last_cruised, copies.newest_generation > before))
+
+    def reading(slots):
+        pushed_last, newest = spec._conf_pushed_last, copies.newest_generation
+        out = stale(slots)
+        reads.append((pushed_last, newest, copies.landed_generation))
+        return out
+
+    spec._copy_conf_to_host, spec._stale = copying, reading
+    _, outs, cruise = _plans(llm, CRUISE_AFTER)
+    assert outs == _plans_free(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+                                   max_num_seqs=4))  # fmt: skip
+    assert cruise.cruised > 0
+    skipped = [cruised for cruised, copied in calls if not copied]
+    assert skipped and all(skipped)  # only cruised steps skip
+    assert len(skipped) >= cruise.cruised // 2
+    run = longest = 0
+    for _, copied in calls:
+        run = 0 if copied else run + 1
+        longest = max(longest, run)
+    assert longest == CONF_PUSH_EVERY - 1
+    assert reads and all(read <= newest for _, newest, read in reads)
+    assert all(read < newest for pushed, newest, read in reads if pushed and newest)
+    # (on the CPU copies land at once: after a skipped copy the newest is read)
+    assert any(read == newest > 0 for pushed, newest, read in reads if not pushed)
