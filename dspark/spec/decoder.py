@@ -304,8 +304,9 @@ class SpecDecoder(StepPlanning):
         skips it, but for one in CONF_PUSH_EVERY in a row (no plan reads confidences while
         every plan is cruised; a decision between them, or the plan after the cruise, reads
         one at most that many steps older than without skipping). The copy and its event
-        were most of the ~24 µs a step an adaptive engine's graph start took beyond fixed
-        K's (H100 host, trained pair, c = 64, forty-second session)."""
+        are likely most of the ~24 µs a step an adaptive engine's graph start took beyond
+        fixed K's (H100 host, trained pair, c = 64, forty-second session; not measured
+        apart)."""
         if self._policy != "lagged":
             return
         if self.last_cruised and self._conf_skips < CONF_PUSH_EVERY - 1:
