@@ -68,8 +68,9 @@ class SpecDecoder(StepPlanning):
         # the planner reads copies of `conf` that have landed, never waiting for one (and
         # never the newest queued: it holds the drafts the planned step verifies)
         self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
-        self._conf_skips = 0  # drafting steps in a row whose copy was skipped (_copy_conf...)
-        self._conf_pushed_last = True  # the last drafting step queued its copy (_stale)
+        # drafting steps in a row whose copy was skipped (_copy_conf_to_host; 0: the last
+        # drafting step queued its copy, which _stale must not read)
+        self._conf_skips = 0
         # per slot, the copy generation from which the landed confidences are its current
         # request's (stale_confidences.slot_assigned: a reused slot holds the last request's)
         self._conf_from = np.zeros(slots, dtype=np.int64)
@@ -310,10 +311,9 @@ class SpecDecoder(StepPlanning):
         if self._policy != "lagged":
             return
         if self.last_cruised and self._conf_skips < CONF_PUSH_EVERY - 1:
-            self._conf_skips += 1
-            self._conf_pushed_last = False  # (the newest copy then holds older drafts)
+            self._conf_skips += 1  # (the newest copy then holds older drafts)
             return
-        self._conf_skips, self._conf_pushed_last = 0, True
+        self._conf_skips = 0
         self.host_confs.push(self.conf)
 
     # -- observability --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ class StaleConfidences:
     # (decoder: a set) slots assigned whose request's first drafting step is not planned
     _unmarked_slots: set[int]
     _conf_marked = 0  # the newest copy generation a first drafting step was marked with
-    _conf_pushed_last: bool  # (decoder) the last drafting step queued its copy
+    _conf_skips: int  # (decoder) drafting steps in a row that skipped their copy
 
     def _stale(self, slots: np.ndarray) -> np.ndarray:
         """The rows' confidences from the newest device->host copy that has landed, never
@@ -30,7 +30,7 @@ class StaleConfidences:
         newest one queued holds older drafts and may be read. NaN (unknown) where the copy
         read predates the row's request's first drafts (slot_assigned)."""
         copies = self.host_confs
-        before = copies.newest_generation if self._conf_pushed_last else None
+        before = None if self._conf_skips else copies.newest_generation
         stale = copies.read(before=before)[slots]
         landed = copies.landed_generation
         if self._unmarked_slots or self._conf_marked > landed:  # (else every row is known:

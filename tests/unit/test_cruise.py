@@ -183,7 +183,7 @@ def test_cruised_steps_skip_most_confidence_copies_and_no_plan_reads_the_drafts_
         calls.append((spec.last_cruised, copies.newest_generation > before))
 
     def reading(slots):
-        pushed_last, newest = spec._conf_pushed_last, copies.newest_generation
+        pushed_last, newest = spec._conf_skips == 0, copies.newest_generation
         out = stale(slots)
         reads.append((pushed_last, newest, copies.landed_generation))
         return out
