@@ -280,3 +280,30 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     for n in names:
         if n in done and done[n].get("cost_table"):
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")
+    print_offline_policy(names, sweep)
+
+
+def print_offline_policy(names: list[str], sweep: dict) -> None:
+    """What each speculative arm's policy did in every offline round, in run order: its
+    steps by kind, drafting decisions, and drafts verified a request (the thing adaptive
+    verification changes; forty-third session: a round lost at C = 256 had verified 698 a
+    request against fixed K's 799)."""
+    for t in sweep["temperatures"]:
+        for n in names:
+            rows = (sweep["arms"].get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+            cells = []
+            for lv in rows:
+                policies = lv.get("rounds_policy") or [lv.get("policy")]
+                verified = lv.get("rounds_verified") or [
+                    (lv.get("spec_decode") or {}).get("verified_tokens_per_request")]
+                per_round = [
+                    "/".join(str(p["steps_by_kind"].get(k, 0)) for k in STEP_KINDS)
+                    + f" d{p['plans'].get('decision', 0)} v{v:.0f}"
+                    for p, v in zip(policies, verified, strict=True)
+                    if p is not None and v is not None]  # fmt: skip
+                if per_round:
+                    cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
+            if cells:
+                print(f"{n} offline at T={t:g}, each round's steps by kind "
+                      f"({' / '.join(STEP_KINDS)}), decisions d, drafts verified a request v: "
+                      + "; ".join(cells))

@@ -76,6 +76,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
 
     start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
+    policy0 = _policy_counts(engine)
     while added < min(concurrency, len(prompts)):
         add()
     while engine.has_unfinished_requests():
@@ -91,9 +92,23 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
         yield
         start = time.perf_counter()
     own += time.perf_counter() - start
+    policy = _policy_counts(engine)
     return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
             "steps": engine.stats["steps"] - steps0,
-            "step_ms": engine.stats["step_time_ms"] - step_ms0}  # fmt: skip
+            "step_ms": engine.stats["step_time_ms"] - step_ms0,
+            "policy": None if policy is None else {
+                part: {k: n - policy0[part][k] for k, n in counts.items()}
+                for part, counts in policy.items()}}  # fmt: skip
+
+
+def _policy_counts(engine) -> dict | None:
+    """A speculative engine's cumulative steps by kind (plain / draft / verify / mixed) and
+    plans by part (decision / search / other); None without speculation. A run's deltas say
+    what the policy did in it: plain steps are drafting held off, decisions re-ran it."""
+    spec = getattr(engine.runner, "spec", None)
+    if spec is None:
+        return None
+    return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans)}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
@@ -208,6 +223,7 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "batch_max": max(batch, default=0),
         "max_in_flight": max(run["held"], default=0),  # scheduler's running + waiting
         "spec_decode": spec,
+        "policy": run["policy"],  # (_policy_counts' deltas over the run; None without)
     }
 
 
@@ -240,7 +256,10 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
     every round's throughput in run order under "rounds" and, given, the order the arms ran
     in each round under "rounds_order" (e2e_report.order_balanced reads both)."""
     ordered = sorted(rounds, key=lambda r: r["output_throughput"])
-    row = dict(ordered[(len(ordered) - 1) // 2], rounds=[r["output_throughput"] for r in rounds])
+    row = dict(ordered[(len(ordered) - 1) // 2], rounds=[r["output_throughput"] for r in rounds],
+               rounds_policy=[r.get("policy") for r in rounds],
+               rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
+                                for r in rounds])  # fmt: skip
     if orders is not None:
         row["rounds_order"] = orders
     return row

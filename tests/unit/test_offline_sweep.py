@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -56,9 +57,15 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
     assert res["output_throughput"] > 0 and res["wall_s"] > 0 and res["steps"] > 0
     assert res["mean_tpot_ms"] > 0 and res["mean_ttft_ms"] >= 0
     if arm == "nospec":
-        assert res["spec_decode"] is None
+        assert res["spec_decode"] is None and res["policy"] is None
     else:  # acceptance of the measured requests: tokens per decoding round
         assert res["spec_decode"]["mean_acceptance_length"] >= 1.0
+        # the policy's counts are this run's alone (the warm-up's steps are not in them):
+        # every measured step counted once by kind
+        kinds = res["policy"]["steps_by_kind"]
+        assert sum(kinds.values()) == res["steps"] and kinds["verify"] > 0
+        if arm == "fixed":  # fixed K never holds drafting off nor decides
+            assert kinds["plain"] == 0 and res["policy"]["plans"]["decision"] == 0
 
 
 def test_closed_loop_with_fewer_prompts_than_c_holds_them_all():
@@ -165,7 +172,8 @@ def _sweep_args(tmp_path, **kw) -> argparse.Namespace:
         input_len=8, range_ratio=0.0, prompts_per_concurrency=1.0, **kw)  # fmt: skip
 
 
-def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_path, monkeypatch):
+def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_path, monkeypatch,
+                                                                          capsys):
     """With --interleave the offline sweep opens every arm's engine at once and runs each level
     arm after arm, --rounds times, the order reversed every other round, each round salted
     apart; a level's row is its median round, with every round's throughput in run order,
@@ -211,7 +219,28 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
             assert r["output_throughput"] == sorted(r["rounds"])[1]  # the median round
             assert r["rounds_order"] == [["nospec", "adaptive3"], ["adaptive3", "nospec"],
                                          ["nospec", "adaptive3"]]  # (as they ran)
+            # every round's policy counts and verified drafts, in run order
+            assert len(r["rounds_policy"]) == len(r["rounds_verified"]) == 3
+            if arm == "nospec":
+                assert r["rounds_policy"] == [None] * 3 and r["rounds_verified"] == [None] * 3
+            else:
+                assert all(sum(p["steps_by_kind"].values()) > 0 for p in r["rounds_policy"])
+                # (drafts verified a request: none where this CPU's policy held drafting off)
+                assert all(v >= 0 for v in r["rounds_verified"])
     assert res["arms"]["adaptive3"]["cost_table"] is not None
+    # the report prints each speculative arm's rounds: 3 a level, the no-spec arm not at all
+    from e2e_report import print_offline_policy
+
+    print_offline_policy(["nospec", "adaptive3"], res)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adaptive3 offline at T=1")
+    cells = re.findall(r"(\d+)/(\d+)/(\d+)/(\d+) d\d+ v\d+", lines[0])
+    assert len(cells) == 6 and "c=2 " in lines[0] and "c=3 " in lines[0]
+    # each cell's steps by kind are its round's (run order), as the sweep counted them
+    counted = [r["rounds_policy"] for r in res["arms"]["adaptive3"]["by_temperature"]["1"]]
+    assert [tuple(map(int, c)) for c in cells] == [
+        tuple(p["steps_by_kind"][k] for k in ("plain", "draft", "verify", "mixed"))
+        for ps in counted for p in ps]  # fmt: skip
 
 
 def test_order_balanced_ratios_weigh_each_run_order_alike():
