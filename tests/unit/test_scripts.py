@@ -133,20 +133,21 @@ def _free_port_block(n: int) -> int:
 
 
 # (CI runs two bench_e2e sweeps, ~95 s together on 2 cores: this sequential one of two arms
-# with synthetic acceptance, its servers' engines in a thread (an engine process costs ~5 s
-# per server start here), and the interleaved one of three arms below, on engine processes
-# as `dspark serve` runs by default, at both temperatures with the identity pass: the GPU
-# sessions' configuration)
+# with synthetic acceptance at T = 1, its servers' engines in a thread (an engine process
+# costs ~5 s per server start here), and the interleaved one of three arms below, on engine
+# processes as `dspark serve` runs by default, at T = 0 with the identity pass, in rounds:
+# the GPU sessions' configuration)
 def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     """--arms nospec,adaptive runs those two only; --reverse-arms runs them adaptive first (a
     GPU that heats up under load then slows no-spec's steps, not adaptive's); --identity-
     prompts 0 skips the offline pass, and the report says so instead of claiming a check;
-    --synthetic-rates reaches the servers and every table says SYNTHETIC."""
+    --synthetic-rates reaches the servers and every table says SYNTHETIC; --temperatures 1
+    (the three-arm test below runs T = 0, which its identity pass needs)."""
     demo = "dspark/assets/demo"
     cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
            "--output-len", "6", "--sweep", "1", "--num-prompts", "2", "--warmup", "1",
-           "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "0",
+           "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "1",
            "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "256",
            "--device", "cpu", "--out", str(tmp_path), "--port", str(_free_port_block(3)),
            "--no-engine-process", "--arms", "nospec,adaptive", "--reverse-arms",
@@ -156,9 +157,9 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     assert "SYNTHETIC acceptance" in proc.stdout
     assert "SYNTHETIC acceptance" in (tmp_path / "serve_adaptive7.log").read_text()
     assert json.loads((tmp_path / "bench_e2e.json").read_text())["synthetic"] is True
-    done = [(tmp_path / f"{a}_t0.json").stat().st_mtime_ns for a in ("adaptive7", "nospec")]
+    done = [(tmp_path / f"{a}_t1.json").stat().st_mtime_ns for a in ("adaptive7", "nospec")]
     assert done == sorted(done)
-    assert not (tmp_path / "fixed7_t0.json").exists()
+    assert not (tmp_path / "fixed7_t1.json").exists()
     assert not (tmp_path / "serve_fixed7.log").exists()
     # the adaptive server's start-up cost table is kept beside its log (no-spec has none)
     assert json.loads((tmp_path / "serve_adaptive7.log.table.json").read_text())["verify"]
@@ -175,8 +176,8 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     assert header.endswith("adaptive7 vs nospec")
     row = lines[lines.index(header) + 1].split()
     tput = json.loads((tmp_path / "bench_e2e.json").read_text())["results"]
-    ratio = (tput["adaptive7@0"][0]["output_throughput"]
-             / tput["nospec@0"][0]["output_throughput"] - 1)  # fmt: skip
+    ratio = (tput["adaptive7@1"][0]["output_throughput"]
+             / tput["nospec@1"][0]["output_throughput"] - 1)  # fmt: skip
     assert row[0] == "1" and row[-1] == f"{ratio:+.1%}"
 
 
@@ -198,8 +199,8 @@ def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(flag, valu
 
 
 def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
-    """scripts/bench_e2e.py end to end on the CPU (three servers, sweeps at both temperatures,
-    offline checks), so the script that spends GPU time cannot break unnoticed: --interleave
+    """scripts/bench_e2e.py end to end on the CPU (three servers, a sweep at T = 0, offline
+    checks), so the script that spends GPU time cannot break unnoticed: --interleave
     runs the servers side by side and measures each level arm after arm, the order rotating
     by level (the sequential and synthetic paths: the two-arm test above)."""
     demo = "dspark/assets/demo"
@@ -207,9 +208,9 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
            "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
            "--output-len", "6", "--sweep", "1,2", "--num-prompts", "2",
            "--prompts-per-concurrency", "1", "--warmup", "1", "--identity-prompts", "2",
-           "--identity-tokens", "6", "--max-num-seqs", "4", "--max-model-len", "128",
-           "--max-num-batched-tokens", "256", "--device", "cpu", "--out", str(tmp_path),
-           "--port", str(_free_port_block(3))]  # fmt: skip
+           "--identity-tokens", "6", "--temperatures", "0", "--max-num-seqs", "4",
+           "--max-model-len", "128", "--max-num-batched-tokens", "256", "--device", "cpu",
+           "--out", str(tmp_path), "--port", str(_free_port_block(3))]  # fmt: skip
     # (two rounds per level: the median of each arm's rounds is kept; every engine process on
     # one CPU)
     cpu = max(os.sched_getaffinity(0))
@@ -218,7 +219,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
     env = {**os.environ, "DSPARK_HOST_TIMERS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    temps = ["0", "1"]
+    temps = ["0"]
     # one result file per arm, level and round, in the rotating order
     arms = ["nospec", "fixed7", "adaptive7"]
     for a in arms:
