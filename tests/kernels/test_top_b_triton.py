@@ -49,7 +49,9 @@ def test_lengths_match_the_torch_sort(num_reqs, k):
     for budget in budgets:
         ref = reference(conf, caps, budget)
         assert (ref > 0).any() or budget <= 0 or total == 0
-        for as_tensor in (False, True):
+        # (the wrapper fills an int budget into a tensor, so the kernel runs one path: the
+        # tensor form is checked at two budgets, each launch ~0.3-0.7 s in the interpreter)
+        for as_tensor in (False, True) if budget in (0, total // 3) else (False,):
             b = torch.tensor(budget, device=DEVICE) if as_tensor else budget
             got = top_b_triton.allocate_top_b(conf.to(DEVICE), caps.to(DEVICE), b)
             assert got.dtype == torch.int64
