@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import statistics
 import time
@@ -270,6 +271,7 @@ def _open(args, arm: str, spec: dict | None, levels: list[int]):
 
     spec = with_served_table(spec, args.out, arm)
     kw = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
+    logging.getLogger("dspark.offline_sweep").info("offline engine of arm %s", arm)
     return LLM(args.target, speculative_config=spec, load_format=args.load_format,
                device=args.device, max_num_seqs=max(levels), max_model_len=args.max_model_len,
                max_num_batched_tokens=args.max_num_batched_tokens, **kw)  # fmt: skip
@@ -328,22 +330,50 @@ def offline_sweep(args, run_order: list[tuple[str, dict | None]], levels: list[i
         pinned_from = os.sched_getaffinity(0)
         pin(parse_cpu_list(args.engine_cpus))
     try:
-        if args.interleave:
-            _interleaved(args, run_order, levels, temps, rounds, result, on_arm)
-        else:
-            for arm, spec in run_order:
-                with _open(args, arm, spec, levels) as llm:
-                    done = _arm_entry(result, arm, llm)
-                    for t in temps:
-                        done["by_temperature"][f"{t:g}"] = [
-                            _level(args, llm.engine, t, c, f"offline-t{t:g}-c{c}-")
-                            for c in levels]  # fmt: skip
-                if on_arm is not None:
-                    on_arm(result)
+        with _engine_log(args.out):
+            _arms(args, run_order, levels, temps, rounds, result, on_arm)
     finally:
         if pinned_from is not None:
             os.sched_setaffinity(0, pinned_from)
     return result
+
+
+def _arms(args, run_order, levels, temps, rounds, result, on_arm) -> None:
+    """offline_sweep's runs: interleaved, or arm after arm (its docstring)."""
+    if args.interleave:
+        _interleaved(args, run_order, levels, temps, rounds, result, on_arm)
+    else:
+        for arm, spec in run_order:
+            with _open(args, arm, spec, levels) as llm:
+                done = _arm_entry(result, arm, llm)
+                for t in temps:
+                    done["by_temperature"][f"{t:g}"] = [
+                        _level(args, llm.engine, t, c, f"offline-t{t:g}-c{c}-")
+                        for c in levels]  # fmt: skip
+            if on_arm is not None:
+                on_arm(result)
+
+
+@contextlib.contextmanager
+def _engine_log(out: str):
+    """The offline engines' own log (INFO and up of the `dspark` loggers: start-up, drafting
+    turned on/off, cost table) in OUT/offline_engines.log while the sweep runs, as each server
+    logs beside its results; before, the offline arms' decisions were not kept anywhere."""
+    os.makedirs(out, exist_ok=True)
+    logger = logging.getLogger("dspark")
+    level = logger.level
+    handler = logging.FileHandler(os.path.join(out, "offline_engines.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
 
 
 def _arm_entry(result: dict, arm: str, llm) -> dict:

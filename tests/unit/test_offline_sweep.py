@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -114,6 +115,7 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     its server profiled instead of profiling again."""
     table = tmp_path / "serve_adaptive3.log.table.json"
     CostModel.analytic().to_json(str(table))  # (as the adaptive server wrote it)
+    handlers = list(logging.getLogger("dspark").handlers)
     events, summaries = [], []
     write = bench_e2e.write_summary
 
@@ -156,6 +158,12 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
             assert (levels[0]["spec_decode"] is None) == (arm == "nospec")
     assert sweep["arms"]["nospec"]["cost_table"] is None
     assert sweep["arms"]["adaptive3"]["cost_table"].startswith(f"loaded from {table}")
+    # the offline engines' own INFO log, each arm's start-up named, kept beside the results
+    log = (tmp_path / "offline_engines.log").read_text().splitlines()
+    opened = [ln.split()[-1] for ln in log if "offline engine of arm" in ln]
+    assert opened == ["nospec", "adaptive3"]
+    assert sum("KV cache:" in ln for ln in log) == 2
+    assert logging.getLogger("dspark").handlers == handlers  # (its handler removed at the end)
     out = capsys.readouterr().out
     assert "offline API, closed loop, concurrency C (no HTTP server)" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["2"], ["3"])]
