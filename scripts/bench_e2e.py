@@ -38,7 +38,7 @@ import httpx
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_report import print_offline_table, print_table  # noqa: E402  (the summary)
+from e2e_report import print_flips, print_offline_table, print_table  # noqa: E402
 from offline_sweep import offline_sweep, parse_levels  # noqa: E402  (the closed loop)
 
 from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
@@ -429,6 +429,9 @@ def main() -> int:
     # why the adaptive server drafted or not, in its own words (dspark.spec.drafting)
     checks["drafting_flips"] = drafting_flips(
         os.path.join(args.out, f"serve_{list(arms(args))[-1]}.log"))
+    if offline:  # (the offline engines log in one file: only the adaptive arm decides)
+        checks["offline_drafting_flips"] = drafting_flips(
+            os.path.join(args.out, "offline_engines.log"))
     write_summary(args, results, checks)
     for t in temps:
         files = [os.path.join(args.out, f"{a}_t{t:g}.json") for a in arms(args)]
@@ -438,6 +441,7 @@ def main() -> int:
     print_table(list(arms(args)), temps, results, checks, label)
     if offline:
         print_offline_table(list(arms(args)), offline["offline_sweep"], label)
+        print_flips("offline engines", checks["offline_drafting_flips"])
     return 0
 
 

@@ -218,11 +218,7 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
     print("whole-step CUDA graphs per arm (captured / capture failures): "
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip
-    flips = checks.get("drafting_flips") or []
-    print(f"adaptive server: drafting turned on/off {len(flips)} times in its log (INFO, at most "
-          f"one per second){'; the first 6:' if flips else ''}")
-    for line in flips[:6]:
-        print(f"  drafting {line}")
+    print_flips("adaptive server", checks.get("drafting_flips") or [])
     o = checks["overhead"] or {}
     if checks["num_prompts"] == 0:
         print("T=0 identity and offline overhead: not checked (--identity-prompts 0)")
@@ -281,6 +277,14 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
         if n in done and done[n].get("cost_table"):
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")
     print_offline_policy(names, sweep)
+
+
+def print_flips(who: str, flips: list[str]) -> None:
+    """The drafting decision's logged turns on or off (bench_e2e.drafting_flips), the first 6."""
+    print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO, at most one per "
+          f"second){'; the first 6:' if flips else ''}")
+    for line in flips[:6]:
+        print(f"  drafting {line}")
 
 
 def print_offline_policy(names: list[str], sweep: dict) -> None:

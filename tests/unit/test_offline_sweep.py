@@ -166,6 +166,10 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     assert logging.getLogger("dspark").handlers == handlers  # (its handler removed at the end)
     out = capsys.readouterr().out
     assert "offline API, closed loop, concurrency C (no HTTP server)" in out
+    # the adaptive engine's logged drafting turns, from that log, in the summary and report
+    flips = summaries[-1]["offline_drafting_flips"]
+    assert len(flips) == sum(bench_e2e.FLIP_LOG_PREFIX in ln for ln in log)
+    assert f"offline engines: drafting turned on/off {len(flips)} times in its log" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["2"], ["3"])]
     assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
 
