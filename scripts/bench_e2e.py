@@ -38,10 +38,15 @@ import httpx
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_report import print_flips, print_offline_table, print_table  # noqa: E402
+from e2e_identity import offline_checks  # noqa: E402  (the T = 0 identity pass)
+from e2e_report import (  # noqa: E402  (the summary, and what the servers logged)
+    drafting_flips,
+    graph_status,
+    print_flips,
+    print_offline_table,
+    print_table,
+)
 from offline_sweep import offline_sweep, parse_levels  # noqa: E402  (the closed loop)
-
-from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 
 ARM_KINDS = ("nospec", "fixed", "adaptive")
 
@@ -254,67 +259,6 @@ def shared_host_ms(level: dict) -> float | None:
     return float(sum(host[p] for p in SHARED_HOST_PARTS))
 
 
-def offline_checks(args) -> dict:
-    """Temperature-0 identity across arms, and the scheduler overhead of the adaptive arm.
-    Synthetic acceptance is not lossless by construction: only the overhead is measured."""
-    from dspark import LLM, SamplingParams
-    from dspark.bench.datasets import load_dataset
-
-    kind = "token-ids" if args.load_format == "dummy" else "words"
-    reqs = load_dataset(args.dataset, args.identity_prompts, path=args.dataset_path,
-                        input_len=args.input_len, output_len=args.identity_tokens, seed=0,
-                        prompt_type=kind)  # fmt: skip
-    prompts = [r.prompt if isinstance(r.prompt, str) else {"prompt_token_ids": r.prompt}
-               for r in reqs]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=args.identity_tokens, ignore_eos=True)
-    tokens, overhead = {}, None
-    # trimmed steps' graphs on first use: the adaptive engine would capture ~300 of them up
-    # front (~80 s on the H200, as its server does again), and these 32 prompts take a few;
-    # a graph captured on first use gives the eager step's tokens (test_cuda_graphs.py), and
-    # the overhead is measured on the second pass, after those captures (this process only:
-    # the servers are done by now; the caller's setting is restored below)
-    capture_trims = os.environ.get("DSPARK_CAPTURE_TRIMS")
-    os.environ["DSPARK_CAPTURE_TRIMS"] = "0"
-    for arm, spec in arms(args).items():
-        if args.synthetic_rates and not arm.startswith("adaptive"):
-            continue
-        with LLM(args.target, speculative_config=spec, load_format=args.load_format,
-                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                 max_num_batched_tokens=args.max_num_batched_tokens) as llm:  # fmt: skip
-            tokens[arm] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            if arm.startswith("adaptive"):
-                # steady state: the same prompts again, so one-time costs (first calls,
-                # lazily captured graphs) are not counted as per-step overhead
-                spec, stats = llm.engine.runner.spec, llm.engine.stats
-                plan0, alloc0 = spec.scheduler_overhead_ms()
-                parts0 = spec.overhead.snapshot()
-                step0, steps0 = stats["step_time_ms"], stats["steps"]
-                llm.generate(prompts, params)
-                plan_ms, alloc_ms = (b - a for a, b in zip((plan0, alloc0),
-                                                           spec.scheduler_overhead_ms()))
-                parts = spec.overhead.snapshot()
-                step_ms = stats["step_time_ms"] - step0
-                overhead = {"plan_ms": plan_ms, "alloc_ms": alloc_ms, "step_ms": step_ms,
-                            "steps": stats["steps"] - steps0,
-                            "fraction": (plan_ms + alloc_ms) / step_ms,
-                            # (plans, ms) by part: decision / search / other
-                            "plan_by_part": {p: (parts["plans"][p] - parts0["plans"][p],
-                                                 parts["plan_ms"][p] - parts0["plan_ms"][p])
-                                             for p in parts["plans"]}}  # fmt: skip
-    names = list(tokens)
-    identical = None if args.synthetic_rates else all(tokens[n] == tokens[names[0]]
-                                                      for n in names[1:])
-    # per arm: prompts whose tokens differ from the first arm's (to tell a bug from a tie)
-    mismatches = {n: sum(a != b for a, b in zip(tokens[n], tokens[names[0]], strict=True))
-                  for n in names[1:]}  # fmt: skip
-    if capture_trims is None:
-        del os.environ["DSPARK_CAPTURE_TRIMS"]
-    else:
-        os.environ["DSPARK_CAPTURE_TRIMS"] = capture_trims
-    return {"identical_at_t0": identical, "num_prompts": len(prompts), "overhead": overhead,
-            "mismatching_prompts": mismatches}  # fmt: skip
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -421,7 +365,7 @@ def main() -> int:
                                                  on_arm=lambda r: write_summary(args, results, {
                                                      "offline_pass": "not finished",
                                                      "offline_sweep": r}))  # fmt: skip
-    checks = offline | (offline_checks(args) if args.identity_prompts > 0 else {
+    checks = offline | (offline_checks(args, arms(args)) if args.identity_prompts > 0 else {
         "identical_at_t0": None, "num_prompts": 0, "overhead": None, "mismatching_prompts": {}})
     # which execution path each server ran (a failed capture silently changes the arm)
     checks["graphs"] = {arm: graph_status(os.path.join(args.out, f"serve_{arm}.log"))
@@ -450,28 +394,6 @@ def write_summary(args, results: dict, checks: dict) -> None:
                "results": {f"{a}@{t:g}": r["results"] for (a, t), r in results.items()}}
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-
-
-def graph_status(log_path: str) -> dict:
-    """Whole-step CUDA graphs captured, and capture failures, as the server logged them."""
-    try:
-        text = open(log_path).read()
-    except OSError:
-        return {"captured": None, "failures": None}
-    return {"captured": text.count("captured whole-step CUDA graph"),
-            "failures": text.count("capture failed, per-phase path")
-            + text.count("CUDA graph capture failed: running eagerly")
-            + text.count("prefill CUDA graph capture failed")}  # fmt: skip
-
-
-def drafting_flips(log_path: str) -> list[str]:
-    """The adaptive server's logged turns of drafting on or off, in order (INFO, at most one
-    per second: a sample of the decisions, each with the rates it compared)."""
-    try:
-        lines = open(log_path).read().splitlines()
-    except OSError:
-        return []
-    return [line.split(FLIP_LOG_PREFIX, 1)[1] for line in lines if FLIP_LOG_PREFIX in line]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The summary bench_e2e.py prints: output tok/s by arm, level and temperature, then the
-per-level diagnostics the servers' /metrics gave (see print_table)."""
+per-level diagnostics the servers' /metrics gave (see print_table); and what the servers'
+logs say (graphs captured, drafting turned on or off)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dspark.spec.confidence import SAMPLING_MODES  # noqa: E402
+from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
 from dspark.spec.online_cost import bucket_label, size_bucket  # noqa: E402
 from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
 
@@ -280,7 +282,7 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
 
 
 def print_flips(who: str, flips: list[str]) -> None:
-    """The drafting decision's logged turns on or off (bench_e2e.drafting_flips), the first 6."""
+    """The drafting decision's logged turns on or off (drafting_flips below), the first 6."""
     print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO, at most one per "
           f"second){'; the first 6:' if flips else ''}")
     for line in flips[:6]:
@@ -311,3 +313,25 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
                 print(f"{n} offline at T={t:g}, each round's steps by kind "
                       f"({' / '.join(STEP_KINDS)}), decisions d, drafts verified a request v: "
                       + "; ".join(cells))
+
+
+def graph_status(log_path: str) -> dict:
+    """Whole-step CUDA graphs captured, and capture failures, as the server logged them."""
+    try:
+        text = open(log_path).read()
+    except OSError:
+        return {"captured": None, "failures": None}
+    return {"captured": text.count("captured whole-step CUDA graph"),
+            "failures": text.count("capture failed, per-phase path")
+            + text.count("CUDA graph capture failed: running eagerly")
+            + text.count("prefill CUDA graph capture failed")}  # fmt: skip
+
+
+def drafting_flips(log_path: str) -> list[str]:
+    """The adaptive server's logged turns of drafting on or off, in order (INFO, at most one
+    per second: a sample of the decisions, each with the rates it compared)."""
+    try:
+        lines = open(log_path).read().splitlines()
+    except OSError:
+        return []
+    return [line.split(FLIP_LOG_PREFIX, 1)[1] for line in lines if FLIP_LOG_PREFIX in line]

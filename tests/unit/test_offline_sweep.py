@@ -17,6 +17,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.spec.cost_model import CostModel
+from dspark.spec.drafting_log import FLIP_LOG_PREFIX
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -123,7 +124,7 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
         write(args, results, checks)
         summaries.append(json.loads((tmp_path / "bench_e2e.json").read_text())["checks"])
 
-    def identity_pass(args):
+    def identity_pass(args, arms):
         events.append(("identity", sorted(summaries[-1]["offline_sweep"]["arms"])))
         return {"identical_at_t0": True, "num_prompts": 1, "overhead": None,
                 "mismatching_prompts": {}}  # fmt: skip
@@ -168,7 +169,7 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     assert "offline API, closed loop, concurrency C (no HTTP server)" in out
     # the adaptive engine's logged drafting turns, from that log, in the summary and report
     flips = summaries[-1]["offline_drafting_flips"]
-    assert len(flips) == sum(bench_e2e.FLIP_LOG_PREFIX in ln for ln in log)
+    assert len(flips) == sum(FLIP_LOG_PREFIX in ln for ln in log)
     assert f"offline engines: drafting turned on/off {len(flips)} times in its log" in out
     rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["2"], ["3"])]
     assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
