@@ -3,6 +3,7 @@ GPU sessions); its numbers are meaningless on a CPU and are not checked beyond s
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -111,16 +112,25 @@ def test_profile_mixed_smoke_on_random_weights_with_synthetic_acceptance(tmp_pat
     assert [k for k, _ in kinds] == ["mixed", "verify"] and all(int(n) > 0 for _, n in kinds)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the OS hands out to outgoing connections (Linux; 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port_block(n: int) -> int:
-    """A base port whose next n ports were free a moment ago (the script binds base + i)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+    """A base port whose next n ports were free a moment ago (the script binds base + i),
+    below the ephemeral range: a block taken from it (a bind to port 0) lost base + 1 to an
+    outgoing connection between the check and the second server's start (a forty-third
+    session's suite run: "address already in use")."""
+    top = max(_ephemeral_low(), 12000) - n
+    for _ in range(200):
+        base = random.randrange(10000, top)
+        socks = [socket.socket() for _ in range(n)]
         try:
-            socks = [socket.socket() for _ in range(n)]
             for i, sk in enumerate(socks):
                 sk.bind(("127.0.0.1", base + i))
             return base
