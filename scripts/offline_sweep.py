@@ -106,7 +106,7 @@ def _policy_counts(engine) -> dict | None:
     """A speculative engine's cumulative steps by kind (plain / draft / verify / mixed) and
     plans by part (decision / search / other); None without speculation. A run's deltas say
     what the policy did in it: plain steps are drafting held off, decisions re-ran it."""
-    spec = getattr(engine.runner, "spec", None)
+    spec = getattr(getattr(engine, "runner", None), "spec", None)
     if spec is None:
         return None
     return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans)}
