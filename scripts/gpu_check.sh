@@ -54,7 +54,9 @@
 # "--offline-sweep 128,256 --offline-turn-steps 32" with it also runs each level's arms through
 # the offline API at once, in turns of 32 engine steps, each arm timed by its own turns (the
 # host's drift then meets every arm alike: on an H100 fixed K's two rounds were 0.5-0.8%
-# apart, against 10.9% for sequential rounds the session before; forty-second session);
+# apart, against 10.9% for sequential rounds the session before; forty-second session; each
+# round's steps by kind and drafts verified a request are printed, and the offline engines'
+# own log is offline_engines.log in the .tgz, since the forty-third);
 # "--rounds R" with it measures each level R times per arm and keeps each arm's median round
 # (the trained pair's interleaved run, 405 s with one round, still saw the same host work take
 # 0.6-1.9x as long in one arm as in another within a level: twenty-first session). One
