@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dspark.models.dspark_drafter import DrafterConfig, DSparkDrafter
 from dspark.testing.drafters import default_target_layer_ids
-from dspark.train.target_trainer import autocast, lr_factor, progress_of
+from dspark.train.target_trainer import Pace, autocast, lr_factor
 
 Batch = tuple[np.ndarray, np.ndarray | None]  # token ids [B, S], loss mask [B, S] or None
 
@@ -339,8 +339,9 @@ def train_drafter(
     extra = {"train_config": asdict(cfg), "target": target.path}
     bar = tqdm(total=cfg.steps, desc="train-drafter", disable=not sys.stderr.isatty())
     t0, history, done = time.time(), [], 0
+    pace = Pace(cfg.steps, cfg.max_time_s)
     for step in range(cfg.steps):
-        progress = progress_of(step, cfg.steps, time.time() - t0, cfg.max_time_s)
+        progress = pace.progress(step, time.time() - t0)
         if progress >= 1.0:
             log(f"WARNING: drafter training stopped at step {step}/{cfg.steps}: time budget "
                 f"{cfg.max_time_s:.0f}s reached")

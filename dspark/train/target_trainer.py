@@ -30,11 +30,33 @@ def lr_factor(progress: float, warmup_frac: float, min_frac: float = 0.0) -> flo
     return min_frac + (1.0 - min_frac) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
-def progress_of(step: int, steps: int, elapsed: float, max_time_s: float | None) -> float:
-    """Training progress: the step fraction, or the time fraction when a time budget binds
-    first (then the schedule still decays to its end, at the cost of exact determinism)."""
-    p = step / steps
-    return max(p, elapsed / max_time_s) if max_time_s and max_time_s > 0 else p
+class Pace:
+    """Training progress in [0, 1] for the LR schedule (1: stop). The step fraction, unless
+    the time budget `max_time_s` binds: then the larger of it and the time fraction, so the
+    schedule still decays to its end (at the cost of exact determinism). The time fraction
+    counts from the end of the first WARM_STEPS steps against the budget left then, so a
+    machine that can finish its steps in time (whatever its compile or start took) gets
+    exactly the step-driven schedule: with the time fraction from step 0, a slower start
+    moved the schedule of the first ~200 steps (tests/unit/test_train_pace.py)."""
+
+    WARM_STEPS = 20
+
+    def __init__(self, steps: int, max_time_s: float | None):
+        self.steps, self.max_time_s = steps, max_time_s
+        self.warm_at: float | None = None  # elapsed s when the warm-up steps were done
+
+    def progress(self, step: int, elapsed: float) -> float:
+        p = step / self.steps
+        if not self.max_time_s or self.max_time_s <= 0:
+            return p
+        if elapsed >= self.max_time_s:
+            return max(p, 1.0)
+        if step < self.WARM_STEPS:
+            return p
+        if self.warm_at is None:
+            self.warm_at = elapsed
+        left = self.max_time_s - self.warm_at  # (> 0: elapsed < max_time_s above)
+        return max(p, (elapsed - self.warm_at) / left)
 
 
 def autocast(device: torch.device):
@@ -178,8 +200,9 @@ def train_target(
         f"compile={cfg.compile}")
     bar = tqdm(total=cfg.steps, desc="train-target", disable=not sys.stderr.isatty())
     t0, history, tokens, done = time.time(), [], 0, 0
+    pace = Pace(cfg.steps, cfg.max_time_s)
     for step in range(cfg.steps):
-        progress = progress_of(step, cfg.steps, time.time() - t0, cfg.max_time_s)
+        progress = pace.progress(step, time.time() - t0)
         if progress >= 1.0:
             log(f"WARNING: target training stopped at step {step}/{cfg.steps}: time budget "
                 f"{cfg.max_time_s:.0f}s reached")
