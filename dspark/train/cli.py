@@ -47,7 +47,9 @@ def add_train_parsers(sub) -> None:
     t.add_argument("--warmup-frac", type=float, default=0.04)
     t.add_argument("--save-every", type=int, default=0)
     t.add_argument("--log-every", type=int, default=20)
-    t.add_argument("--max-time-s", type=float, default=None)
+    t.add_argument("--max-time-s", type=float, default=None,
+                   help="time budget: the run stops there; if it cannot finish its steps in "
+                        "time, the LR schedule follows the budget (past 20 warm-up steps)")
     t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     t.add_argument("--eval-batches", type=int, default=4)
     t.add_argument("--seed", type=int, default=0)
