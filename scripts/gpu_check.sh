@@ -15,11 +15,12 @@
 #           phase and kernel (scripts/profile_mixed.py, demo pair, c = 128) -> $OUT/profile_mixed.txt
 #   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
 #           -> $OUT/step8b/profile_step.txt
-#   train   the benchmark pair (scripts/train_pair.py, ~5 min: step budgets, so the pair does not
-#           depend on the machine's speed; the time caps bind only on a machine ~1.7x slower
-#           than the H200s seen (1,336-1,359 target and 1,784-1,861 drafter steps ran in the
-#           140 / 75 s budgets used before); TRAIN_ARGS="" also retrains the
-#           demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
+#   train   the benchmark pair (scripts/train_pair.py, ~5.5 min: step budgets, so the pair does
+#           not depend on the machine's speed; the 180 / 100 s time caps bind (the LR schedule
+#           then follows them past 20 warm-up steps) only on a machine slower than the H100s
+#           seen by ~10%: 1,350 target steps took 163 s, 1,800 drafter steps 89 s there, in the
+#           forty-third session; GPU kernels still make retrains differ); TRAIN_ARGS=""
+#           also retrains the demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
 #           machine is warm, for the e2e stage
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1, 4, 16, 64, 256), served
