@@ -144,11 +144,7 @@ class DraftingDecision(PlainProbes):
             self._probe_spacing, self._forced = 1, True
         if moved or self._forced or self.survival is None:
             return True
-        spacing = self._decide_spacing
-        if self._since_decision < _DECIDE_EVERY * spacing:
-            return False
-        interval = self._interval_s()
-        return interval <= 0 or self._clock() - self._decided_at >= interval * spacing
+        return self._routine_due(self._since_decision)
 
     def routine(self, num_reqs: int, online: bool) -> bool:
         """A plan that neither decides nor probes, told from the state alone: due(num_reqs)
@@ -163,10 +159,7 @@ class DraftingDecision(PlainProbes):
         9.7-10.3 -> 7.4-8.8 µs)."""
         if self._forced or self._plain_probe_left or self.survival is None:
             return False  # (a decision is due, or a plain probe runs)
-        spacing = self._decide_spacing
-        if self._since_decision + 1 >= _DECIDE_EVERY * spacing and (
-                (interval := self._interval_s()) <= 0
-                or self._clock() - self._decided_at >= interval * spacing):
+        if self._routine_due(self._since_decision + 1):
             return False  # (a routine decision is due: due()'s own test)
         if self.pays:  # (a plain probe may be due)
             if online and self._plain_may_win and self.plain_probes and self.enabled:
@@ -179,6 +172,15 @@ class DraftingDecision(PlainProbes):
         self._plans += 1
         self._skipped = 0 if self.pays else self._skipped + 1
         return True
+
+    def _routine_due(self, since_decision: int) -> bool:
+        """A routine decision is due after `since_decision` planned steps: _DECIDE_EVERY of
+        them and _interval_s() of time since the last one, both times the spacing."""
+        spacing = self._decide_spacing
+        if since_decision < _DECIDE_EVERY * spacing:
+            return False
+        interval = self._interval_s()
+        return interval <= 0 or self._clock() - self._decided_at >= interval * spacing
 
     def note_decision_s(self, seconds: float) -> None:
         """A decision plan's host time: routine decisions then come no closer than the
