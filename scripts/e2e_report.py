@@ -237,6 +237,11 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
               f"= {o['fraction']:.2%} of step time ({o['steps']} steps; plans: {by_part})")
 
 
+def arm_levels(sweep: dict, arm: str, t: float) -> list[dict]:
+    """One arm's offline rows at temperature t, a level each ([] for an arm cut short)."""
+    return (sweep["arms"].get(arm) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+
+
 def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     """The closed-loop sweep of the offline API (offline_sweep.py, bench_e2e --offline-sweep):
     output tok/s by arm, temperature and level, with the engine's median batch (requests
@@ -251,8 +256,7 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
         print(f"-- temperature {t:g}")
         print("   C " + "".join(f"{n:>28}" for n in names) + "   " + versus_header(names))
         for i, c in enumerate(sweep["levels"]):
-            rows = [(done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
-                    for n in names]  # fmt: skip
+            rows = [arm_levels(sweep, n, t) for n in names]
             levels = [r[i] if i < len(r) else None for r in rows]
             cells = []
             for lv in levels:
@@ -268,12 +272,11 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     if sweep.get("rounds", 1) > 1:  # (the rows above are each level's median round)
         for t in sweep["temperatures"]:
             for n in names:
-                rows = (done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+                rows = arm_levels(sweep, n, t)
                 cells = "; ".join(f"c={lv['max_concurrency']} " + "/".join(
                     f"{x:.0f}" for x in lv.get("rounds", ())) for lv in rows)  # fmt: skip
                 print(f"{n} offline rounds at T={t:g}, tok/s in run order: {cells}")
-            rows = [(done.get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
-                    for n in names[-2:]]  # fmt: skip
+            rows = [arm_levels(sweep, n, t) for n in names[-2:]]
             print_balanced(names, rows[1], rows[0], "rounds", f"offline at T={t:g}")
     for n in names:
         if n in done and done[n].get("cost_table"):
@@ -296,7 +299,7 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
     request against fixed K's 799)."""
     for t in sweep["temperatures"]:
         for n in names:
-            rows = (sweep["arms"].get(n) or {}).get("by_temperature", {}).get(f"{t:g}") or []
+            rows = arm_levels(sweep, n, t)
             cells = []
             for lv in rows:
                 policies = lv.get("rounds_policy") or [lv.get("policy")]
