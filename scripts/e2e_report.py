@@ -285,10 +285,10 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
 
 
 def print_flips(who: str, flips: list[str]) -> None:
-    """The drafting decision's logged turns on or off (drafting_flips below), the first 6."""
-    print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO, at most one per "
-          f"second){'; the first 6:' if flips else ''}")
-    for line in flips[:6]:
+    """The drafting decision's logged turns on or off (drafting_flips below), the first 10."""
+    print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO: bursts of 8, then "
+          f"at most one a second){'; the first 10:' if flips else ''}")
+    for line in flips[:10]:
         print(f"  drafting {line}")
 
 
@@ -331,8 +331,8 @@ def graph_status(log_path: str) -> dict:
 
 
 def drafting_flips(log_path: str) -> list[str]:
-    """The adaptive server's logged turns of drafting on or off, in order (INFO, at most one
-    per second: a sample of the decisions, each with the rates it compared)."""
+    """The adaptive server's logged turns of drafting on or off, in order (INFO: every turn of
+    a burst of 8, then at most one a second; each with the rates it compared)."""
     try:
         lines = open(log_path).read().splitlines()
     except OSError:
