@@ -21,7 +21,9 @@
 #           seen by ~10%: 1,350 target steps took 163 s, 1,800 drafter steps 89 s there, in the
 #           forty-third session; GPU kernels still make retrains differ); TRAIN_ARGS=""
 #           also retrains the demo pair; needs .whl carried for HumanEval); the pair stays in out/pair while the
-#           machine is warm, for the e2e stage
+#           machine is warm, for the e2e stage, but a call made at once after another may get
+#           a fresh machine all the same (forty-fourth session: both such calls did, with the
+#           lease saying warm): train and serve in one call (STAGES=train,e2e)
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1, 4, 16, 64, 256), served
 #           interleaved, 3 rounds, T = 0 by default (the machine's host speed drifts 2x:
@@ -153,15 +155,22 @@ if has train; then
     2>&1 | tee "$OUT/train_pair.log" | tail -30
   cp out/pair/summary.json "$OUT/train_summary.json" 2>/dev/null
 fi
-# the server stack, installed only now: the train stage's corpus is this machine's installed
-# Python sources, so a package installed before it changes the pair (the sixteenth session's
-# pair, trained after the ceiling stage had installed it, saw 10,621 training files; the
-# seventeenth's, trained alone, 10,658; train_pair.py logs the corpus digest)
-if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]] &&
-   ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null
-then  # the machine has no internet: install the server stack from scripts/fetch_device_wheels.sh
-  python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic \
-    prometheus-client httpx aiohttp 2>&1 | grep -v WARNING
+# the server stack, installed outside site-packages (into $SERVER_STACK, on PYTHONPATH from
+# here on): the train stage's corpus is the Python sources in site-packages, so a package
+# installed there changes the pair, also in a later call on the same (warm) machine. In the
+# forty-fourth session, calls 3 and 5 ran on machines where an earlier call had installed this
+# stack into site-packages; they trained on 10,831 files (corpus digest 54f30fb3...) against a
+# fresh machine's 10,871 (4cc10ed5...; the sixteenth session's 10,621 training files against
+# the seventeenth's 10,658 had the same cause)
+SERVER_STACK=/tmp/server_stack
+if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]]; then
+  export PYTHONPATH=$PYTHONPATH:$SERVER_STACK
+  if ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null; then
+    # the machine has no internet: the wheels of scripts/fetch_device_wheels.sh (aiohttp, the
+    # bench client, is in the device's image)
+    PYTHONPATH= python3 -m pip install -q --no-index --find-links .whl --target $SERVER_STACK \
+      fastapi uvicorn pydantic prometheus-client httpx 2>&1 | grep -v WARNING
+  fi
 fi
 pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the rest but the
   # per-level and per-round plots (their numbers are in the JSON beside them; they were 4/5
