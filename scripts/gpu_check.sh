@@ -144,6 +144,11 @@ if has step8b; then
     --profile-tokens 16 --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
     --out "$OUT/step8b" 2>&1 | tee "$OUT/step8b.log" | tail -30
 fi
+if has e2e && ! has train && [[ ! -f out/pair/main/target/config.json ]]; then
+  echo "e2e: no trained pair in out/pair (a fresh machine: the pair lives only on the machine" \
+    "that trained it); run STAGES=train,e2e" >&2
+  exit 2
+fi
 if has train && [[ ! -f $HE ]]; then  # fail before 5 minutes of training, not after
   echo "train: $HE missing: run scripts/fetch_device_wheels.sh here and carry .whl" >&2
   exit 2
