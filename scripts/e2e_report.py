@@ -11,7 +11,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dspark.spec.confidence import SAMPLING_MODES  # noqa: E402
-from dspark.spec.drafting_log import FLIP_LOG_PREFIX  # noqa: E402  (its drafting decisions)
+from dspark.spec.drafting_log import (  # noqa: E402  (its drafting decisions)
+    FLIP_LOG_BURST,
+    FLIP_LOG_PREFIX,
+)
 from dspark.spec.online_cost import bucket_label, size_bucket  # noqa: E402
 from dspark.spec.tracing import STEP_KINDS  # noqa: E402  (the kinds a server counts)
 
@@ -286,8 +289,8 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
 
 def print_flips(who: str, flips: list[str]) -> None:
     """The drafting decision's logged turns on or off (drafting_flips below), the first 10."""
-    print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO: bursts of 8, then "
-          f"at most one a second){'; the first 10:' if flips else ''}")
+    print(f"{who}: drafting turned on/off {len(flips)} times in its log (INFO: bursts of "
+          f"{FLIP_LOG_BURST}, then at most one a second){'; the first 10:' if flips else ''}")
     for line in flips[:10]:
         print(f"  drafting {line}")
 
@@ -332,7 +335,7 @@ def graph_status(log_path: str) -> dict:
 
 def drafting_flips(log_path: str) -> list[str]:
     """The adaptive server's logged turns of drafting on or off, in order (INFO: every turn of
-    a burst of 8, then at most one a second; each with the rates it compared)."""
+    a burst of FLIP_LOG_BURST, then at most one a second; each with the rates it compared)."""
     try:
         lines = open(log_path).read().splitlines()
     except OSError:
