@@ -184,9 +184,12 @@ def run_interleaved(args, temps) -> dict:
     """Every arm's server at once; each level arm after arm, the order rotating by level (and
     by round). A level's prompts are the same for every arm and round (random prompts: seeded
     by the level's index, so distinct across levels); each arm warms up before its first level
-    of a temperature. With --rounds N every level is measured N times per arm, the rounds one
-    after the other, and each arm keeps its median round (`median_round`). Each arm's levels
-    are merged into one result file, as a sequential sweep writes it."""
+    of a temperature. With --rounds N the sweep runs N times over the levels (a round is one
+    pass over all levels, so a run cut short keeps a whole sweep first), and each arm keeps
+    its median round of each level (`median_round`). With --stop-after S no level starts
+    once S seconds have passed since the script started (args.started; the first level
+    always runs): the levels measured so far are reported, each with the rounds it got.
+    Each arm's levels are merged into one result file, as a sequential sweep writes it."""
     procs, urls = [], {}
     try:
         for i, (arm, spec) in enumerate(run_order(args)):
@@ -194,30 +197,37 @@ def run_interleaved(args, temps) -> dict:
                                     os.path.join(args.out, f"serve_{arm}.log"))  # fmt: skip
             procs.append(proc)
         names, levels = list(urls), args.sweep.split(",")
-        results = {}
+        results, cut, measured = {}, [], False
         for t in temps:
-            parts: dict[str, list] = {arm: [] for arm in names}
-            for j, level in enumerate(levels):
-                rounds: dict[str, list] = {arm: [] for arm in names}
-                orders = []  # (the arms' order in each round: e2e_report.order_balanced)
-                for r in range(args.rounds):
+            runs = {arm: [[] for _ in levels] for arm in names}  # [arm][level]: its rounds
+            orders = [[] for _ in levels]  # (the arms' order in each round: order_balanced)
+            for r in range(args.rounds):
+                for j, level in enumerate(levels):
+                    if (args.stop_after is not None and measured
+                            and time.time() - args.started > args.stop_after):  # fmt: skip
+                        cut.append(f"T={t:g} c={level} round {r}")
+                        continue
                     first = (j + r) % len(names)
-                    orders.append(names[first:] + names[:first])
-                    for arm in orders[-1]:
+                    orders[j].append(names[first:] + names[:first])
+                    for arm in orders[j][-1]:
                         tag = f"_r{r}" if args.rounds > 1 else ""
                         out = os.path.join(args.out, f"{arm}_t{t:g}_c{level}{tag}.json")
-                        rounds[arm].append(sweep(args, urls[arm], arm, t, levels=level, out=out,
-                                                 warmup=None if j == r == 0 else 0, seed=j))
-                for arm in names:
-                    parts[arm].append(median_round(rounds[arm]))
-                    if args.rounds > 1:
-                        parts[arm][-1]["results"][0]["rounds_order"] = orders
-            for arm in names:
-                merged = dict(parts[arm][0], results=[lv for p in parts[arm]
-                                                      for lv in p["results"]])  # fmt: skip
+                        runs[arm][j].append(sweep(args, urls[arm], arm, t, levels=level,
+                                                  out=out, seed=j,
+                                                  warmup=None if j == r == 0 else 0))  # fmt: skip
+                    measured = True
+            done = [j for j in range(len(levels)) if orders[j]]
+            for arm in names if done else ():
+                parts = [median_round(runs[arm][j]) for j in done]
+                for j, part in zip(done, parts):
+                    if len(orders[j]) > 1:
+                        part["results"][0]["rounds_order"] = orders[j]
+                merged = dict(parts[0], results=[lv for p in parts for lv in p["results"]])
                 with open(os.path.join(args.out, f"{arm}_t{t:g}.json"), "w") as f:
                     json.dump(merged, f, indent=1)
                 results[(arm, t)] = merged
+        if cut:
+            print(f"--stop-after {args.stop_after:g}: not measured: {', '.join(cut)}", flush=True)
         return results
     finally:
         for proc in procs:
@@ -308,6 +318,11 @@ def main() -> int:
            "kept (the offline sweep's too); the report also balances the rounds for run "
            "order (e2e_report.order_balanced): with two arms an even count runs each first "
            "as often")
+    a("--stop-after", type=float, default=None, metavar="S",
+      help="with --interleave: start no level once S seconds have passed since this script "
+           "started, servers' start-up included (the first level always runs), and report the "
+           "levels measured, each with its rounds; a caller's time limit then cuts no level "
+           "halfway (default: no limit)")
     a("--num-kv-blocks", type=int, default=None,
       help="each server's KV cache in blocks (with --interleave on a GPU: required)")
     a("--api-server-count", type=int, default=1,
@@ -327,6 +342,7 @@ def main() -> int:
            "meets every arm alike); 0: arm after arm")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    args.started = time.time()  # (--stop-after counts from here)
     if args.engine_cpus:
         from dspark.engine.cpu_affinity import parse_cpu_list
 
@@ -341,6 +357,8 @@ def main() -> int:
                  f"{','.join(args.arms)!r}")  # fmt: skip
     if args.rounds < 1 or (args.rounds > 1 and not args.interleave):
         ap.error("--rounds must be >= 1, and above 1 only with --interleave")
+    if args.stop_after is not None and (args.stop_after < 0 or not args.interleave):
+        ap.error("--stop-after must be >= 0, and only with --interleave")
     if args.offline_turn_steps < 0 or (args.offline_turn_steps and not (
             args.interleave and args.offline_sweep)):  # fmt: skip
         ap.error("--offline-turn-steps must be >= 0, and above 0 only with --interleave and "
@@ -377,12 +395,13 @@ def main() -> int:
         checks["offline_drafting_flips"] = drafting_flips(
             os.path.join(args.out, "offline_engines.log"))
     write_summary(args, results, checks)
-    for t in temps:
+    swept = [t for t in temps if any(k[1] == t for k in results)]  # (--stop-after: maybe not all)
+    for t in swept:
         files = [os.path.join(args.out, f"{a}_t{t:g}.json") for a in arms(args)]
         subprocess.run([sys.executable, "-m", "dspark", "bench", "plot", *files, "-o",
                         os.path.join(args.out, f"sweep_t{t:g}.png"), "--title",
                         f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
-    print_table(list(arms(args)), temps, results, checks, label)
+    print_table(list(arms(args)), swept, results, checks, label)
     if offline:
         print_offline_table(list(arms(args)), offline["offline_sweep"], label)
         print_flips("offline engines", checks["offline_drafting_flips"])

@@ -185,10 +185,26 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
   cp "/tmp/$1/sweep_t0.png" "$OUT/$1_t0.png" 2>/dev/null
   tar -czf "$OUT/$1_files.tgz" --exclude="*_c[0-9]*.png" -C /tmp "$1" 2>/dev/null
 }
+# E2E_DEADLINE=S: the e2e stage ends S s after this script began, whatever the train stage
+# took (an E2E_TIMEOUT=$((574 - SECONDS)) on the command line is read before training, at
+# ~0 s): its timeout is what is left, and with --interleave bench_e2e starts no level in the
+# last E2E_TAIL_S s (default 60: the longest level's run, the identity pass, the report), so
+# the cut falls between levels and the report covers every level measured
+e2e_limit() {
+  if [[ -n ${E2E_DEADLINE:-} ]]; then
+    local left=$((E2E_DEADLINE - SECONDS)) stop
+    stop=$((left - ${E2E_TAIL_S:-60}))  # (bench_e2e counts from its start, servers' included)
+    echo "$((left > 1 ? left : 1))" "--stop-after $((stop > 0 ? stop : 0))"
+  else
+    echo "${E2E_TIMEOUT:-560}"
+  fi
+}
 if has e2e; then
-  timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
+  read -r e2e_timeout e2e_stop <<< "$(e2e_limit)"
+  echo "e2e: ${e2e_timeout} s left ${e2e_stop}"
+  timeout -k 10 $e2e_timeout python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} 2>&1 \
+    --out /tmp/e2e ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} $e2e_stop 2>&1 \
     | tee "$OUT/e2e.log" | tail -30
   pack e2e
 fi

@@ -235,7 +235,8 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
     for a in arms:
         assert f"engine pinned to CPUs [{cpu}]" in (tmp_path / f"serve_{a}.log"
                                                             ).read_text(), a  # fmt: skip
-    runs = [(level, r, (level - 1 + r) % 3) for level in (1, 2) for r in (0, 1)]
+    # (a round is a pass over every level: round 0 of c = 1 and 2, then round 1)
+    runs = [(level, r, (level - 1 + r) % 3) for r in (0, 1) for level in (1, 2)]
     stamps = []
     for level, r, first in runs:
         order = arms[first:] + arms[:first]
@@ -244,7 +245,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
         assert times == sorted(times), (level, r, order, times)
         assert not any(f.with_suffix(".png").exists() for f in files)  # (--no-plot)
         stamps.append((min(times), max(times)))
-    # each round of each level ran after every earlier one
+    # each level's round ran after every earlier one
     assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
     # the verdict's spread: adaptive over the better arm within each of the 2 rounds
     # (one line per temperature)
