@@ -3,7 +3,6 @@
 replaced by stand-ins that record each call; the real ones run in test_scripts.py's
 `test_bench_e2e_runs_on_the_demo_pair`."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,14 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def _bench_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", f"{ROOT}/scripts/bench_e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.unit.test_scripts import ROOT, _bench_e2e_module
 
 
 class _Server:
@@ -33,7 +25,7 @@ class _Server:
 def _run(tmp_path, monkeypatch, stop_after, sweep="1,2,4", rounds=2, seconds_per_run=10.0):
     """run_interleaved with two arms on a clock that moves `seconds_per_run` per level run;
     returns (its results, the (arm, level, round tag, warm-up) of every run in order)."""
-    bench = _bench_e2e()
+    bench = _bench_e2e_module()
     now, calls = [1000.0], []
     monkeypatch.setattr(bench, "time", SimpleNamespace(time=lambda: now[0]))
     monkeypatch.setattr(bench, "serve", lambda args, spec, port, log: (_Server(), f"u{port}"))
