@@ -42,6 +42,7 @@ from e2e_identity import offline_checks  # noqa: E402  (the T = 0 identity pass)
 from e2e_report import (  # noqa: E402  (the summary, and what the servers logged)
     drafting_flips,
     graph_status,
+    print_checks,
     print_flips,
     print_offline_table,
     print_table,
@@ -340,6 +341,10 @@ def main() -> int:
       help="with --interleave and --offline-sweep: each level's arms run at once, in turns of "
            "N engine steps each (an arm's throughput over its own turns, so the host's drift "
            "meets every arm alike); 0: arm after arm")
+    a("--offline-only", action="store_true",
+      help="no servers and no serving sweep: only --offline-sweep (and the identity pass); "
+           "with --interleave --offline-turn-steps N the arms' ratios are the host-drift-free "
+           "ones, without TPOT")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     args.started = time.time()  # (--stop-after counts from here)
@@ -363,6 +368,8 @@ def main() -> int:
             args.interleave and args.offline_sweep)):  # fmt: skip
         ap.error("--offline-turn-steps must be >= 0, and above 0 only with --interleave and "
                  "--offline-sweep")
+    if args.offline_only and not args.offline_sweep:
+        ap.error("--offline-only needs --offline-sweep LEVELS")
     if args.identity_prompts < 0:  # (checked now: the offline pass runs after the sweep)
         ap.error("--identity-prompts must be >= 0 (0: skip the offline pass)")
     if args.identity_tokens < 1:
@@ -374,7 +381,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     label = "SYNTHETIC acceptance " if args.synthetic_rates else ""
     temps = [float(t) for t in args.temperatures.split(",")]
-    results = (run_interleaved if args.interleave else run_sequential)(args, temps)
+    results = {} if args.offline_only else (run_interleaved if args.interleave
+                                            else run_sequential)(args, temps)  # fmt: skip
     # the sweep's summary first: a run cut in the offline pass (a caller's timeout) keeps it
     write_summary(args, results, {"offline_pass": "not finished"})
     offline = {}  # before the identity pass (a caller's timeout often cuts that one); the
@@ -401,7 +409,10 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "dspark", "bench", "plot", *files, "-o",
                         os.path.join(args.out, f"sweep_t{t:g}.png"), "--title",
                         f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
-    print_table(list(arms(args)), swept, results, checks, label)
+    if not args.offline_only:
+        print_table(list(arms(args)), swept, results, checks, label)
+    else:  # (the identity pass's lines, which print_table ends with)
+        print_checks(checks)
     if offline:
         print_offline_table(list(arms(args)), offline["offline_sweep"], label)
         print_flips("offline engines", checks["offline_drafting_flips"])

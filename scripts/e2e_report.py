@@ -224,6 +224,11 @@ def print_table(names: list[str], temps, results, checks, label) -> None:
           + ", ".join(f"{a} {g['captured']}/{g['failures']}"
                       for a, g in checks.get("graphs", {}).items()))  # fmt: skip
     print_flips("adaptive server", checks.get("drafting_flips") or [])
+    print_checks(checks)
+
+
+def print_checks(checks: dict) -> None:
+    """The offline identity pass: T = 0 tokens across arms, and its scheduler overhead."""
     o = checks["overhead"] or {}
     if checks["num_prompts"] == 0:
         print("T=0 identity and offline overhead: not checked (--identity-prompts 0)")
@@ -319,6 +324,11 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
                 print(f"{n} offline at T={t:g}, each round's steps by kind "
                       f"({' / '.join(STEP_KINDS)}), decisions d, drafts verified a request v: "
                       + "; ".join(cells))
+            shares = [(lv["max_concurrency"], lv.get("scheduler_overhead")) for lv in rows]
+            if any(x is not None for _, x in shares):  # (the median round's, per level)
+                print(f"{n} offline scheduler overhead at T={t:g} (plan + alloc, % of step "
+                      "time): " + ", ".join(f"c={c} {x:.2%}" for c, x in shares
+                                            if x is not None))  # fmt: skip
 
 
 def graph_status(log_path: str) -> dict:

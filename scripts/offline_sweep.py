@@ -103,13 +103,16 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
 
 
 def _policy_counts(engine) -> dict | None:
-    """A speculative engine's cumulative steps by kind (plain / draft / verify / mixed) and
-    plans by part (decision / search / other); None without speculation. A run's deltas say
-    what the policy did in it: plain steps are drafting held off, decisions re-ran it."""
+    """A speculative engine's cumulative steps by kind (plain / draft / verify / mixed), plans
+    by part (decision / search / other) and scheduler overhead (planning host ms, allocation
+    device ms); None without speculation. A run's deltas say what the policy did in it:
+    plain steps are drafting held off, decisions re-ran it."""
     spec = getattr(getattr(engine, "runner", None), "spec", None)
     if spec is None:
         return None
-    return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans)}
+    plan_ms, alloc_ms = spec.scheduler_overhead_ms()  # (waits for the allocation timers)
+    return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans),
+            "overhead_ms": {"plan": plan_ms, "alloc": alloc_ms}}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
@@ -225,7 +228,17 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "max_in_flight": max(run["held"], default=0),  # scheduler's running + waiting
         "spec_decode": spec,
         "policy": run["policy"],  # (_policy_counts' deltas over the run; None without)
+        "scheduler_overhead": _overhead_fraction(run),
     }
+
+
+def _overhead_fraction(run: dict) -> float | None:
+    """Planning + allocation over the engine's step time in the run (the identity pass's
+    measure, per level); None without speculation or steps."""
+    policy = run["policy"]
+    if policy is None or not run["step_ms"]:
+        return None
+    return (policy["overhead_ms"]["plan"] + policy["overhead_ms"]["alloc"]) / run["step_ms"]
 
 
 def level_prompts(args, concurrency: int) -> tuple[list, list[int]]:

@@ -60,6 +60,7 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
     assert res["mean_tpot_ms"] > 0 and res["mean_ttft_ms"] >= 0
     if arm == "nospec":
         assert res["spec_decode"] is None and res["policy"] is None
+        assert res["scheduler_overhead"] is None
     else:  # acceptance of the measured requests: tokens per decoding round
         assert res["spec_decode"]["mean_acceptance_length"] >= 1.0
         # the policy's counts are this run's alone (the warm-up's steps are not in them):
@@ -68,6 +69,12 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
         assert sum(kinds.values()) == res["steps"] and kinds["verify"] > 0
         if arm == "fixed":  # fixed K never holds drafting off nor decides
             assert kinds["plain"] == 0 and res["policy"]["plans"]["decision"] == 0
+        # the run's scheduler overhead: its planning and allocation over its step time
+        spent = res["policy"]["overhead_ms"]
+        assert spent["alloc"] >= 0 and (spent["plan"] > 0) == (arm == "adaptive")
+        assert res["scheduler_overhead"] == pytest.approx(
+            (spent["plan"] + spent["alloc"]) / (res["step_ms_per_step"] * res["steps"]))
+        assert 0 <= res["scheduler_overhead"] < 1
 
 
 def test_closed_loop_with_fewer_prompts_than_c_holds_them_all():
@@ -175,6 +182,49 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
     assert len(rows) == 4 and all(r[-1].endswith("%") for r in rows)  # adaptive vs nospec
 
 
+def test_bench_e2e_offline_only_starts_no_server(tmp_path, monkeypatch, capsys):
+    """--offline-only: no server and no serving sweep, only the offline sweep (here the arms
+    in turns of 2 steps, demo pair, CPU); its table, each speculative arm's overhead per
+    level and the identity pass's lines are printed, not the serving table."""
+    def no_serving(args, temps):
+        raise AssertionError("--offline-only ran a serving sweep")
+
+    monkeypatch.setattr(bench_e2e, "run_interleaved", no_serving)
+    monkeypatch.setattr(bench_e2e, "run_sequential", no_serving)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--target", f"{DEMO}/target", "--drafter", f"{DEMO}/drafter",
+        "--k", "3", "--dataset", "random", "--input-len", "8", "--output-len", "6",
+        "--num-prompts", "3", "--prompts-per-concurrency", "1", "--temperatures", "1",
+        "--arms", "nospec,adaptive",
+        "--device", "cpu", "--max-model-len", "128", "--max-num-batched-tokens", "256",
+        "--identity-prompts", "0", "--interleave", "--offline-sweep", "2",
+        "--offline-turn-steps", "2", "--offline-only", "--out", str(tmp_path)])  # fmt: skip
+    assert bench_e2e.main() == 0
+    summary = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert summary["results"] == {} and not list(tmp_path.glob("*.png"))  # (nor a plot)
+    sweep = summary["checks"]["offline_sweep"]
+    for arm in ("nospec", "adaptive3"):
+        (row,) = sweep["arms"][arm]["by_temperature"]["1"]
+        assert row["completed"] == 3 and row["turn_steps"] == 2
+        assert (row["scheduler_overhead"] is None) == (arm == "nospec")
+    out = capsys.readouterr().out
+    assert "end-to-end: output tok/s" not in out
+    assert "offline API, closed loop, concurrency C (no HTTP server)" in out
+    share = sweep["arms"]["adaptive3"]["by_temperature"]["1"][0]["scheduler_overhead"]
+    assert (f"adaptive3 offline scheduler overhead at T=1 (plan + alloc, % of step time): "
+            f"c=2 {share:.2%}") in out
+    assert "T=0 identity and offline overhead: not checked (--identity-prompts 0)" in out
+
+
+def test_bench_e2e_offline_only_needs_an_offline_sweep(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
+                                      "--offline-only"])  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        bench_e2e.main()
+    assert exc.value.code == 2 and "--offline-only needs --offline-sweep" in (
+        capsys.readouterr().err)
+
+
 def _sweep_args(tmp_path, **kw) -> argparse.Namespace:
     """bench_e2e's arguments as offline_sweep reads them: the demo pair on the CPU,
     interleaved, random 8-token prompts (`kw`: rounds, output length, prompts, turns)."""
@@ -190,7 +240,8 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
     """With --interleave the offline sweep opens every arm's engine at once and runs each level
     arm after arm, --rounds times, the order reversed every other round, each round salted
     apart; a level's row is its median round, with every round's throughput in run order,
-    and the summary is handed out after each level (demo pair, CPU)."""
+    and the summary is handed out after each level (demo pair, CPU); the report prints each
+    round's policy counts and each level's scheduler overhead."""
     import offline_sweep as osw
 
     opened, runs, handed = {}, [], []
@@ -246,7 +297,11 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
 
     print_offline_policy(["nospec", "adaptive3"], res)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("adaptive3 offline at T=1")
+    assert len(lines) == 2 and lines[0].startswith("adaptive3 offline at T=1")
+    # ... then its median rounds' scheduler overhead, a level each
+    shares = [r["scheduler_overhead"] for r in res["arms"]["adaptive3"]["by_temperature"]["1"]]
+    assert lines[1] == ("adaptive3 offline scheduler overhead at T=1 (plan + alloc, % of step "
+                        f"time): c=2 {shares[0]:.2%}, c=3 {shares[1]:.2%}")
     cells = re.findall(r"(\d+)/(\d+)/(\d+)/(\d+) d\d+ v\d+", lines[0])
     assert len(cells) == 6 and "c=2 " in lines[0] and "c=3 " in lines[0]
     # each cell's steps by kind are its round's (run order), as the sweep counted them
