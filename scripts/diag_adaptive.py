@@ -339,11 +339,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="64,128")
     ap.add_argument("--arms", default="nospec,adaptive",
                     help="from nospec,fixed,adaptive; a -sync suffix: no async scheduling")
-    ap.add_argument("--kernel-tables", default="",
+    ap.add_argument("--kernel-tables", default=None,
                     help="ARM@CONC,...: also the top kernels by CUDA time of 8 decode steps; "
                     "draft@CONC: of the drafter alone (speculative arms); prefill@CONC: of the "
                     "prefill steps of CONC prompts; mixed@CONC: of steps with one prompt's "
-                    "chunk beside ~CONC decoding rows")
+                    "chunk beside ~CONC decoding rows (default: none; with --smoke all four "
+                    "at c = 3)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=7)
@@ -358,7 +359,9 @@ def main() -> int:
     if args.smoke:  # the bundled demo pair on the CPU
         args.target, args.drafter = os.path.join(ASSETS, "target"), os.path.join(ASSETS, "drafter")
         args.load_format, args.prompt_len, args.tokens, args.concurrency = "auto", 24, 12, "3"
-        args.kernel_tables = "adaptive@3,draft@3,prefill@3,mixed@3"
+        if args.kernel_tables is None:
+            args.kernel_tables = "adaptive@3,draft@3,prefill@3,mixed@3"
+    args.kernel_tables = args.kernel_tables or ""
     spec = pair_spec(args)
     arm_cfgs = {"nospec": None, "fixed": dict(spec, adaptive_policy="fixed"),
                 "adaptive": dict(spec, enable_adaptive_verification=True)}

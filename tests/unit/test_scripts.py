@@ -394,8 +394,10 @@ def test_diag_adaptive_smoke(tmp_path):
 
 
 def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
-    _smoke("diag_adaptive.py", tmp_path, "--serving")
+    # (no kernel tables: the smoke test above profiles them, ~10 s on 2 cores)
+    _smoke("diag_adaptive.py", tmp_path, "--serving", "--kernel-tables", "")
     report = (tmp_path / "diag_adaptive.txt").read_text()
+    assert "beside ~3 decoding rows" not in report and "prefill of 3 x" not in report
     assert report.count("6 requests, 3 in flight") == 2  # both arms
     records = json.loads((tmp_path / "diag_adaptive.json").read_text())
     # every request of both waves ran to its 12 tokens (the smoke's max_tokens)
