@@ -5,13 +5,11 @@ replaced by stand-ins that record each call; the real ones run in test_scripts.p
 
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from tests.unit.test_scripts import ROOT, _bench_e2e_module
+from tests.unit.test_scripts import _bench_e2e_module, _bench_e2e_refuses
 
 
 class _Server:
@@ -87,8 +85,6 @@ def test_stop_after_zero_still_measures_the_first_level(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("extra", [["--stop-after", "-1", "--interleave"],
                                    ["--stop-after", "60"]])  # fmt: skip
-def test_stop_after_is_refused_without_interleave_or_below_zero(extra):
-    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", "t", "--drafter", "d", *extra,
-           "--num-kv-blocks", "8"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--stop-after must be" in proc.stderr, proc.stderr[-500:]
+def test_stop_after_is_refused_without_interleave_or_below_zero(monkeypatch, capsys, extra):
+    err = _bench_e2e_refuses(monkeypatch, capsys, *extra, "--num-kv-blocks", "8")
+    assert "--stop-after must be" in err, err[-500:]

@@ -191,21 +191,29 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     assert row[0] == "1" and row[-1] == f"{ratio:+.1%}"
 
 
-def test_bench_e2e_rejects_arms_without_adaptive():
-    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", "t", "--drafter", "d",
-           "--arms", "nospec,fixed"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--arms: adaptive and one or both" in proc.stderr
+def _bench_e2e_refuses(monkeypatch, capsys, *argv: str) -> str:
+    """bench_e2e.main() on `argv` (in this process: argument errors exit before any work)
+    must exit with argparse's status 2; returns its stderr."""
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d", *argv])
+    with pytest.raises(SystemExit) as exc:
+        _bench_e2e_module().main()
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bench_e2e_rejects_arms_without_adaptive(monkeypatch, capsys):
+    err = _bench_e2e_refuses(monkeypatch, capsys, "--arms", "nospec,fixed")
+    assert "--arms: adaptive and one or both" in err
 
 
 @pytest.mark.parametrize("flag,value", [("--identity-tokens", "0"),
                                         ("--identity-prompts", "-1")])
-def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(flag, value):
+def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(monkeypatch, capsys, flag,
+                                                                      value):
     """The offline identity pass runs after the sweep (up to 10 minutes of device time): a
     setting it cannot run with is refused at once, naming the flag."""
-    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", "t", "--drafter", "d", flag, value]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and f"{flag} must be" in proc.stderr, proc.stderr[-500:]
+    err = _bench_e2e_refuses(monkeypatch, capsys, flag, value)
+    assert f"{flag} must be" in err, err[-500:]
 
 
 def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
