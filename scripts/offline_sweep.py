@@ -126,13 +126,19 @@ def _drive(engine, prompts: list, params_for: Callable[[int], object], concurren
             return done.value
 
 
-def _lockstep(runs: list, turn_steps: int, sync: Callable[[], None]) -> list[dict]:
+def _lockstep(runs: list, turn_steps: int, sync: Callable[[], None],
+              pauses: list[Callable[[], None]] | None = None) -> list[dict]:  # fmt: skip
     """Step the `_steps` generators `runs` in turns of `turn_steps` engine steps each, round
     robin, until all are done; each one's wall_s is its own turns' time. A turn ends with
     `sync()` (the device's queue drained) inside the turn's time, so a step left in flight by
-    async scheduling is paid by its own engine, not by the next turn's. The host's speed
-    drifts 0.9-2.2x from one second to the next on the H200 machines (twenty-fifth session),
-    more than the arms differ; engines measured in turns of tens of ms meet the same drift."""
+    async scheduling is paid by its own engine, not by the next turn's; then `pauses[i]()`
+    (the engine's mark_idle): the other engines' turns until its next one are no step's
+    cost. Without it an adaptive engine's first step of every turn had those turns in its
+    period (under _MAX_GAP_S, 0.1 s, at low concurrency), and learned fixed terms of 1.3-3.9
+    ms for steps of ~0.5 ms: its drafting decision flipped on those, and it ran 13-22% below
+    no-spec at T = 1, c = 4-128 (H100, forty-sixth session). The host's speed drifts
+    0.9-2.2x from one second to the next on the H200 machines (twenty-fifth session), more
+    than the arms differ; engines measured in turns of tens of ms meet the same drift."""
     results: list = [None] * len(runs)
     extra = [0.0] * len(runs)  # the syncs' time, added to the engine whose turn it ended
     live = list(range(len(runs)))
@@ -148,6 +154,8 @@ def _lockstep(runs: list, turn_steps: int, sync: Callable[[], None]) -> list[dic
             t0 = time.perf_counter()
             sync()
             extra[i] += time.perf_counter() - t0
+            if pauses is not None:
+                pauses[i]()
     for res, e in zip(results, extra, strict=True):
         res["wall_s"] += e
     return results
@@ -180,8 +188,9 @@ def closed_loops_in_turns(engines: list, prompts: list, params_for: Callable[[in
         _warm(engine, prompts, params_for, concurrency, warmup, warmup_tokens, f"{salt}e{i}-")
     runs = [_steps(engine, prompts, params_for, concurrency, f"{salt}e{i}-")
             for i, engine in enumerate(engines)]  # fmt: skip
+    pauses = [engine.mark_idle for engine in engines]
     return [_summary(run, prompts, concurrency, None, latencies=False) | {"turn_steps": turn_steps}
-            for run in _lockstep(runs, turn_steps, sync)]  # fmt: skip
+            for run in _lockstep(runs, turn_steps, sync, pauses)]  # fmt: skip
 
 
 def _warm(engine, prompts: list, params_for, concurrency: int, warmup: int,

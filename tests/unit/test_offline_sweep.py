@@ -364,6 +364,32 @@ def test_lockstep_runs_generators_in_turns_and_charges_each_its_own_time():
     assert all(r["wall_s"] >= 1.0 for r in res)
 
 
+def test_in_turns_an_engines_step_periods_leave_out_the_other_engines_turns():
+    """closed_loops_in_turns marks each engine idle when its turn ends: the adaptive engine's
+    online cost model never sees the other engines' turns as one of its step's period (here
+    each turn's sync sleeps 30 ms, so a period spanning the gap to its next turn would be
+    70-90 ms, under the 0.1 s the engine takes for a pause; demo pair, CPU)."""
+    from offline_sweep import closed_loops_in_turns
+
+    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 3,
+            "enable_adaptive_verification": True}  # fmt: skip
+    kw = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 128,
+          "max_num_batched_tokens": 256}  # fmt: skip
+    with LLM(f"{DEMO}/target", **kw) as plain, LLM(f"{DEMO}/target", speculative_config=spec,
+                                                   **kw) as adaptive:  # fmt: skip
+        decoder, periods = adaptive.engine.runner.spec, []
+        observe = decoder.observe_step_time
+        decoder.observe_step_time = lambda ms, *a: periods.append(ms) or observe(ms, *a)
+        params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        rows = closed_loops_in_turns([plain.engine, adaptive.engine],
+                                     [{"prompt_token_ids": p} for p in PROMPTS],
+                                     lambda i: params, CONCURRENCY, turn_steps=2,
+                                     sync=lambda: time.sleep(0.03))  # fmt: skip
+    assert all(r["completed"] == len(PROMPTS) for r in rows)
+    assert len(periods) >= 8  # (several turns' steps observed)
+    assert max(periods) < 55.0, sorted(periods)[-5:]
+
+
 def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turns(tmp_path,
                                                                                 monkeypatch):
     """--offline-turn-steps 2: each level's arms run their closed loops at once, two engine
