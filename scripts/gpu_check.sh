@@ -78,6 +78,11 @@
 # E2E_ARGS="... --arms nospec,adaptive [--reverse-arms] --identity-prompts 0": two arms in the
 # order given (or reversed), no offline pass: the 8B c = 256 level in both orders fits one call
 # (twenty-eighth session: the speculative arms, run after no-spec, met a power-capped clock).
+# E2E_ARGS="... --interleave --rounds 2 --offline-only --offline-sweep 1,4,16,32,64,128,256
+# --offline-turn-steps 32 --temperatures 0,1": no servers, the three arms' engines in one process
+# in turns, all 14 cells in ~100 s after ~50 s of start-up (forty-sixth session, H100; no TPOT).
+# A warm machine keeps out/pair for a call made at once after the one that trained it (the
+# forty-sixth session's second call found it: STAGES=e2e then saves the 5 minutes of training).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
 # every second into $OUT/gpu_clocks.csv.
 # $OUT brings back 8 files at most: each e2e run keeps its JSON summary and the T=0 plot, and
