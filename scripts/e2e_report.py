@@ -289,7 +289,25 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
     for n in names:
         if n in done and done[n].get("cost_table"):
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")
+    print_offline_identity(names, sweep)
     print_offline_policy(names, sweep)
+
+
+def print_offline_identity(names: list[str], sweep: dict) -> None:
+    """The T = 0 check of the interleaved offline sweep (offline_sweep._compare_tokens): per
+    arm, level and round, its prompts whose tokens equal those of the arm run first."""
+    rows = {n: arm_levels(sweep, n, 0.0) for n in names}
+    base = [n for n, lv in rows.items() if lv and not any(lv[0].get("rounds_t0_identical") or ())]
+    for n, levels in rows.items():
+        counts = [(lv["max_concurrency"], lv.get("rounds_t0_identical") or ()) for lv in levels]
+        if not any(c for _, per in counts for c in per):
+            continue
+        same = sum(c[0] for _, per in counts for c in per if c)
+        total = sum(c[1] for _, per in counts for c in per if c)
+        print(f"{n} offline at T=0, prompts whose tokens equal {'/'.join(base) or '?'}'s "
+              f"({same} of {total}; per level, each round): " + "; ".join(
+                  f"c={c} " + ", ".join(f"{x[0]}/{x[1]}" for x in per if x)
+                  for c, per in counts))  # fmt: skip
 
 
 def print_flips(who: str, flips: list[str]) -> None:

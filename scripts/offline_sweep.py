@@ -94,7 +94,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
         start = time.perf_counter()
     own += time.perf_counter() - start
     policy = _policy_counts(engine)
-    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
+    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held, "run": run,
             "steps": engine.stats["steps"] - steps0,
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
             "policy": None if policy is None else {
@@ -238,7 +238,21 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "spec_decode": spec,
         "policy": run["policy"],  # (_policy_counts' deltas over the run; None without)
         "scheduler_overhead": _overhead_fraction(run),
+        # prompt index -> its tokens, for the arms' T = 0 comparison (_compare_tokens pops it)
+        "_tokens": {int(o.request_id.rsplit("-", 1)[1]): list(o.outputs[0].token_ids)
+                    for o in done if o.request_id.startswith(f"closed{run['run']}-")},
     }
+
+
+def _compare_tokens(rows: list[dict]) -> None:
+    """One level's round, an arm a row, the first arm's row first: each row gets
+    "t0_identical" = [prompts whose tokens equal the first arm's, prompts], at T = 0 (the
+    lossless check at every level's batch sizes, beside the identity pass's 32 prompts);
+    every row's tokens are dropped (the summary would carry every token of the sweep)."""
+    first = rows[0].pop("_tokens")
+    for row in rows[1:]:
+        tokens = row.pop("_tokens")
+        row["t0_identical"] = [sum(tokens.get(i) == t for i, t in first.items()), len(first)]
 
 
 def _overhead_fraction(run: dict) -> float | None:
@@ -282,7 +296,8 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
     row = dict(ordered[(len(ordered) - 1) // 2], rounds=[r["output_throughput"] for r in rounds],
                rounds_policy=[r.get("policy") for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
-                                for r in rounds])  # fmt: skip
+                                for r in rounds],
+               rounds_t0_identical=[r.get("t0_identical") for r in rounds])  # fmt: skip
     if orders is not None:
         row["rounds_order"] = orders
     return row
@@ -369,9 +384,11 @@ def _arms(args, run_order, levels, temps, rounds, result, on_arm) -> None:
             with _open(args, arm, spec, levels) as llm:
                 done = _arm_entry(result, arm, llm)
                 for t in temps:
-                    done["by_temperature"][f"{t:g}"] = [
-                        _level(args, llm.engine, t, c, f"offline-t{t:g}-c{c}-")
-                        for c in levels]  # fmt: skip
+                    rows = [_level(args, llm.engine, t, c, f"offline-t{t:g}-c{c}-")
+                            for c in levels]  # fmt: skip
+                    for row in rows:  # (arm after arm: no two arms' tokens side by side)
+                        row.pop("_tokens")
+                    done["by_temperature"][f"{t:g}"] = rows
             if on_arm is not None:
                 on_arm(result)
 
@@ -423,9 +440,14 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
                                                salt)  # fmt: skip
                         for (arm, _), row in zip(order, rows, strict=True):
                             runs[arm].append(row)
-                        continue
-                    for arm, llm in order:
-                        runs[arm].append(_level(args, llm.engine, t, c, salt))
+                    else:
+                        for arm, llm in order:
+                            runs[arm].append(_level(args, llm.engine, t, c, salt))
+                    this_round = [runs[arm][-1] for arm, _ in engines]  # (run order's first)
+                    if t == 0:
+                        _compare_tokens(this_round)
+                    for row in this_round:
+                        row.pop("_tokens", None)
                 for arm, rows in runs.items():
                     by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])
                     by_t.append(median_round(rows, orders))

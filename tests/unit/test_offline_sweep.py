@@ -391,7 +391,8 @@ def test_in_turns_an_engines_step_periods_leave_out_the_other_engines_turns():
 
 
 def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turns(tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch,
+                                                                                capsys):
     """--offline-turn-steps 2: each level's arms run their closed loops at once, two engine
     steps a turn, each with every prompt completed and exactly C requests held; an arm's
     throughput is over its own time (its wall_s under the level's), TPOT/TTFT left out
@@ -426,3 +427,26 @@ def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turn
     # the arms' steps interleaved, at most two in a row while both were running
     switches = sum(a != b for a, b in zip(order, order[1:]))
     assert switches >= 8
+    # T = 0: every round's prompts compared with the arm run first (no-spec), tokens dropped
+    for arm in ("nospec", "fixed3"):
+        for r in res["arms"][arm]["by_temperature"]["0"]:
+            assert "_tokens" not in r
+            n = max(4, r["max_concurrency"])
+            expect = [None, None] if arm == "nospec" else [[n, n], [n, n]]  # (lossless)
+            assert r["rounds_t0_identical"] == expect
+    from e2e_report import print_offline_identity
+
+    print_offline_identity(["nospec", "fixed3"], res)
+    assert capsys.readouterr().out.strip() == (
+        "fixed3 offline at T=0, prompts whose tokens equal nospec's (16 of 16; per level, "
+        "each round): c=2 4/4, 4/4; c=3 4/4, 4/4")
+
+
+def test_compare_tokens_counts_the_prompts_equal_to_the_first_arms():
+    from offline_sweep import _compare_tokens
+
+    rows = [{"_tokens": {0: [1, 2], 1: [3], 2: [5]}}, {"_tokens": {0: [1, 2], 1: [4], 2: [5]}},
+            {"_tokens": {0: [1, 2], 2: [5]}}]  # (the last arm lost prompt 1's output)
+    _compare_tokens(rows)
+    assert [r.get("t0_identical") for r in rows] == [None, [2, 3], [2, 3]]
+    assert not any("_tokens" in r for r in rows)
