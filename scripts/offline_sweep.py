@@ -3,9 +3,9 @@
 `dspark bench serve` at high concurrency can measure the API server instead of the engine:
 on the H200 the trained pair's three arms at c = 128 / 256 were capped by the one API-server
 process (~1 core busy; the engine held ~45 requests at c = 256, TTFT ~1 s). Here the engine
-is driven directly: `closed_loop` keeps exactly C requests in the engine (a new prompt is
-added as soon as a request's final output arrives) until the prompts run out, and
-`offline_sweep` runs it for each arm at each level and temperature (bench_e2e.py
+is driven directly: `closed_loop` (closed_loop.py) keeps exactly C requests in the engine (a
+new prompt is added as soon as a request's final output arrives) until the prompts run out,
+and `offline_sweep` runs it for each arm at each level and temperature (bench_e2e.py
 --offline-sweep, with the serving sweep's dataset, output length and engine settings; with
 --interleave, every arm's engine at once and each level arm after arm, --rounds times).
 """
@@ -14,18 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import itertools
 import logging
 import os
-import statistics
-import time
 from collections.abc import Callable
 
-from dspark.bench.spec_stats import SPEC_FIELDS, spec_summary
-from dspark.engine.prompt_input import prompt_token_ids
-
-_runs = itertools.count()  # request ids of a run: unique within an engine
+from closed_loop import closed_loop, closed_loops_in_turns, compare_tokens, pretokenized
 
 
 def parse_levels(text: str) -> list[int]:
@@ -45,223 +38,6 @@ def parse_levels(text: str) -> list[int]:
     if len(set(levels)) != len(levels):
         raise argparse.ArgumentTypeError(f"a level is repeated in {text!r}")
     return levels
-
-
-def pretokenized(engine, prompts: list, max_tokens: list[int]) -> list[dict]:
-    """The prompts as token ids (tokenized now, so that the timed loop does not tokenize)."""
-    vocab, max_len = engine.model_config.vocab_size, engine.max_model_len
-    out = []
-    for prompt, n in zip(prompts, max_tokens, strict=True):
-        text, ids = prompt_token_ids(prompt, engine.tokenizer, vocab, max_len, n)
-        out.append({"prompt_token_ids": ids, "prompt": text})
-    return out
-
-
-def _steps(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
-           salt: str | None):  # fmt: skip
-    """Run `prompts` with `concurrency` of them in the engine at a time, yielding after every
-    engine step; returns (StopIteration's value) what it produced, wall_s the time spent in
-    it (between yields: its own time when other engines' steps run in between). Invariant:
-    after the first `concurrency`, the next prompt is added only when a final output
-    arrives, so the scheduler (running + waiting) never holds more than `concurrency`
-    requests; it holds fewer only at the tail, and between a request's commit (which takes
-    it out of the scheduler) and the step() call that returns its output (llm_engine.py)."""
-    run, sched = next(_runs), engine.scheduler
-    added, finished, batch, held = 0, [], [], []
-
-    def add() -> None:
-        nonlocal added
-        engine.add_request(f"closed{run}-{added}", prompts[added], params_for(added),
-                           cache_salt=salt)  # fmt: skip
-        added += 1
-
-    start, own = time.perf_counter(), 0.0
-    steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
-    policy0 = _policy_counts(engine)
-    while added < min(concurrency, len(prompts)):
-        add()
-    while engine.has_unfinished_requests():
-        held.append(len(sched.running) + len(sched.waiting))
-        for out in engine.step():  # (the offline API's engine returns final outputs only)
-            if out.finished:
-                finished.append(out)
-                if added < len(prompts):
-                    add()
-        # the requests of the step this call launched, less those its commit finished
-        batch.append(len(sched.running))
-        own += time.perf_counter() - start
-        yield
-        start = time.perf_counter()
-    own += time.perf_counter() - start
-    policy = _policy_counts(engine)
-    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held, "run": run,
-            "steps": engine.stats["steps"] - steps0,
-            "step_ms": engine.stats["step_time_ms"] - step_ms0,
-            "policy": None if policy is None else {
-                part: {k: n - policy0[part][k] for k, n in counts.items()}
-                for part, counts in policy.items()}}  # fmt: skip
-
-
-def _policy_counts(engine) -> dict | None:
-    """A speculative engine's cumulative steps by kind (plain / draft / verify / mixed), plans
-    by part (decision / search / other) and scheduler overhead (planning host ms, allocation
-    device ms); None without speculation. A run's deltas say what the policy did in it:
-    plain steps are drafting held off, decisions re-ran it."""
-    spec = getattr(getattr(engine, "runner", None), "spec", None)
-    if spec is None:
-        return None
-    plan_ms, alloc_ms = spec.scheduler_overhead_ms()  # (waits for the allocation timers)
-    return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans),
-            "overhead_ms": {"plan": plan_ms, "alloc": alloc_ms}}
-
-
-def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
-           salt: str | None) -> dict:  # fmt: skip
-    """_steps run alone (its wall_s: the run's wall time)."""
-    gen = _steps(engine, prompts, params_for, concurrency, salt)
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
-
-
-def _lockstep(runs: list, turn_steps: int, sync: Callable[[], None],
-              pauses: list[Callable[[], None]] | None = None) -> list[dict]:  # fmt: skip
-    """Step the `_steps` generators `runs` in turns of `turn_steps` engine steps each, round
-    robin, until all are done; each one's wall_s is its own turns' time. A turn ends with
-    `sync()` (the device's queue drained) inside the turn's time, so a step left in flight by
-    async scheduling is paid by its own engine, not by the next turn's; then `pauses[i]()`
-    (the engine's mark_idle): the other engines' turns until its next one are no step's
-    cost. Without it an adaptive engine's first step of every turn had those turns in its
-    period (under _MAX_GAP_S, 0.1 s, at low concurrency), and learned fixed terms of 1.3-3.9
-    ms for steps of ~0.5 ms: its drafting decision flipped on those, and it ran 13-22% below
-    no-spec at T = 1, c = 4-128 (H100, forty-sixth session). The host's speed drifts
-    0.9-2.2x from one second to the next on the H200 machines (twenty-fifth session), more
-    than the arms differ; engines measured in turns of tens of ms meet the same drift."""
-    results: list = [None] * len(runs)
-    extra = [0.0] * len(runs)  # the syncs' time, added to the engine whose turn it ended
-    live = list(range(len(runs)))
-    while live:
-        for i in list(live):
-            for _ in range(turn_steps):
-                try:
-                    next(runs[i])
-                except StopIteration as done:
-                    results[i] = done.value
-                    live.remove(i)
-                    break
-            t0 = time.perf_counter()
-            sync()
-            extra[i] += time.perf_counter() - t0
-            if pauses is not None:
-                pauses[i]()
-    for res, e in zip(results, extra, strict=True):
-        res["wall_s"] += e
-    return results
-
-
-def closed_loop(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
-                warmup: int = 0, warmup_tokens: int = 16, salt: str | None = None,
-                outputs: list | None = None) -> dict:  # fmt: skip
-    """Throughput of `engine` (an LLMEngine with stream_outputs off, as LLM makes it) at a
-    closed loop of `concurrency` requests over `prompts` (request i sampled with
-    `params_for(i)`). First, unmeasured, the first `warmup` prompts cut to `warmup_tokens`
-    tokens at the same concurrency (salted apart, so that the measured requests do not find
-    them in the prefix cache). The clock runs from the first measured request's arrival to
-    the last one's final output. `outputs`, if given, receives the measured final outputs."""
-    _warm(engine, prompts, params_for, concurrency, warmup, warmup_tokens, salt)
-    run = _drive(engine, prompts, params_for, concurrency, salt)
-    return _summary(run, prompts, concurrency, outputs)
-
-
-def closed_loops_in_turns(engines: list, prompts: list, params_for: Callable[[int], object],
-                          concurrency: int, turn_steps: int, warmup: int = 0,
-                          warmup_tokens: int = 16, salt: str | None = None,
-                          sync: Callable[[], None] = lambda: None) -> list[dict]:  # fmt: skip
-    """closed_loop for each of `engines` (each its own closed loop of `concurrency` requests
-    over `prompts`, its own prefix-cache salt), run in turns of `turn_steps` steps
-    (_lockstep), warmed up one after another first. Each result's wall_s and throughputs
-    are its own turns' time; TPOT and TTFT, which wall-clock times of its requests would
-    give, include the other engines' turns and are left out (None)."""
-    for i, engine in enumerate(engines):
-        _warm(engine, prompts, params_for, concurrency, warmup, warmup_tokens, f"{salt}e{i}-")
-    runs = [_steps(engine, prompts, params_for, concurrency, f"{salt}e{i}-")
-            for i, engine in enumerate(engines)]  # fmt: skip
-    pauses = [engine.mark_idle for engine in engines]
-    return [_summary(run, prompts, concurrency, None, latencies=False) | {"turn_steps": turn_steps}
-            for run in _lockstep(runs, turn_steps, sync, pauses)]  # fmt: skip
-
-
-def _warm(engine, prompts: list, params_for, concurrency: int, warmup: int,
-          warmup_tokens: int, salt: str | None) -> None:  # fmt: skip
-    """The first `warmup` prompts cut to `warmup_tokens` tokens, unmeasured."""
-    if warmup > 0:
-        def cut(i: int):
-            p = params_for(i)
-            return dataclasses.replace(p, max_tokens=min(p.max_tokens or warmup_tokens,
-                                                         warmup_tokens))  # fmt: skip
-
-        _drive(engine, prompts[:warmup], cut, concurrency, f"{salt or ''}warmup")
-
-
-def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
-             latencies: bool = True) -> dict:  # fmt: skip
-    done = run["outputs"]
-    if outputs is not None:
-        outputs.extend(done)
-    tokens = [len(o.outputs[0].token_ids) for o in done]
-    wall, batch = run["wall_s"], run["batch"]
-    # TPOT: each request's first token to its last, per later token (as bench serve's)
-    tpots = [(o.metrics.finished_time - o.metrics.first_token_time) * 1e3 / (n - 1)
-             for o, n in zip(done, tokens) if n > 1 and o.metrics.finished_time is not None]
-    ttfts = [(o.metrics.first_token_time - o.metrics.arrival_time) * 1e3 for o in done
-             if o.metrics.first_token_time is not None]  # fmt: skip
-    stats = [o.spec_decode for o in done if isinstance(o.spec_decode, dict)]
-    spec = (spec_summary({k: sum(s[k] for s in stats) for k in SPEC_FIELDS}, len(stats),
-                         "offline outputs") if stats else None)  # fmt: skip
-    return {
-        "max_concurrency": concurrency, "num_prompts": len(prompts), "completed": len(done),
-        "output_tokens": sum(tokens), "wall_s": wall,
-        "output_throughput": sum(tokens) / wall if wall > 0 else 0.0,
-        "request_throughput": len(done) / wall if wall > 0 else 0.0,
-        "mean_tpot_ms": statistics.fmean(tpots) if tpots and latencies else None,
-        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts and latencies else None,
-        "steps": run["steps"],
-        # engine.step()'s own time per step; the rest of the wall time is the loop's
-        "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
-        # requests running after each step() call (its launched step's, less finished ones)
-        "batch_mean": statistics.fmean(batch) if batch else 0.0,
-        "batch_p50": statistics.median_low(batch) if batch else 0,
-        "batch_max": max(batch, default=0),
-        "max_in_flight": max(run["held"], default=0),  # scheduler's running + waiting
-        "spec_decode": spec,
-        "policy": run["policy"],  # (_policy_counts' deltas over the run; None without)
-        "scheduler_overhead": _overhead_fraction(run),
-        # prompt index -> its tokens, for the arms' T = 0 comparison (_compare_tokens pops it)
-        "_tokens": {int(o.request_id.rsplit("-", 1)[1]): list(o.outputs[0].token_ids)
-                    for o in done if o.request_id.startswith(f"closed{run['run']}-")},
-    }
-
-
-def _compare_tokens(rows: list[dict]) -> None:
-    """One level's round, an arm a row, the first arm's row first: each row gets
-    "t0_identical" = [prompts whose tokens equal the first arm's, prompts], at T = 0 (the
-    lossless check at every level's batch sizes, beside the identity pass's 32 prompts);
-    every row's tokens are dropped (the summary would carry every token of the sweep)."""
-    first = rows[0].pop("_tokens")
-    for row in rows[1:]:
-        tokens = row.pop("_tokens")
-        row["t0_identical"] = [sum(tokens.get(i) == t for i, t in first.items()), len(first)]
-
-
-def _overhead_fraction(run: dict) -> float | None:
-    """Planning + allocation over the engine's step time in the run (the identity pass's
-    measure, per level); None without speculation or steps."""
-    policy = run["policy"]
-    if policy is None or not run["step_ms"]:
-        return None
-    return (policy["overhead_ms"]["plan"] + policy["overhead_ms"]["alloc"]) / run["step_ms"]
 
 
 def level_prompts(args, concurrency: int) -> tuple[list, list[int]]:
@@ -445,7 +221,7 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
                             runs[arm].append(_level(args, llm.engine, t, c, salt))
                     this_round = [runs[arm][-1] for arm, _ in engines]  # (run order's first)
                     if t == 0:
-                        _compare_tokens(this_round)
+                        compare_tokens(this_round)
                     for row in this_round:
                         row.pop("_tokens", None)
                 for arm, rows in runs.items():

@@ -1,7 +1,8 @@
-"""scripts/offline_sweep.py: the closed loop keeps exactly C requests in the engine and counts
-what it produced; bench_e2e.py --offline-sweep runs it per arm after the serving sweep and
-before the identity pass, writing each arm's levels as soon as the arm finishes (the demo
-pair on the CPU; its numbers are not checked beyond sanity)."""
+"""scripts/offline_sweep.py: bench_e2e.py --offline-sweep runs the closed loop
+(test_closed_loop.py) per arm after the serving sweep and before the identity pass, writing
+each arm's levels as soon as the arm finishes; interleaved, in rounds and in turns; with
+--offline-only no server starts (the demo pair on the CPU; its numbers are not checked
+beyond sanity)."""
 
 from __future__ import annotations
 
@@ -15,73 +16,15 @@ import time
 
 import pytest
 
-from dspark import LLM, SamplingParams
 from dspark.spec.cost_model import CostModel
 from dspark.spec.drafting_log import FLIP_LOG_PREFIX
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_e2e  # noqa: E402
-from offline_sweep import closed_loop, parse_levels  # noqa: E402
+from offline_sweep import parse_levels  # noqa: E402
 
 DEMO = os.path.join(ROOT, "dspark", "assets", "demo")
-PROMPTS = [list(range(5 + i, 9 + 2 * i)) for i in range(7)]  # 4..10 tokens each
-MAX_TOKENS, CONCURRENCY = 8, 3
-
-
-@pytest.mark.parametrize("arm", ["nospec", "fixed", "adaptive"])
-def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm):
-    spec = None if arm == "nospec" else {
-        "model": f"{DEMO}/drafter", "num_speculative_tokens": 3,
-        **({"adaptive_policy": "fixed"} if arm == "fixed"
-           else {"enable_adaptive_verification": True})}  # fmt: skip
-    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128,
-             max_num_batched_tokens=256, speculative_config=spec) as llm:  # fmt: skip
-        engine = llm.engine
-        params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, ignore_eos=True)
-                  for t in (0.0, 1.0) * 4]  # fmt: skip
-        tokens0 = engine.stats["generation_tokens"]
-        outputs = []
-        res = closed_loop(engine, [{"prompt_token_ids": p} for p in PROMPTS],
-                          params.__getitem__, CONCURRENCY, warmup=CONCURRENCY,
-                          warmup_tokens=2, outputs=outputs)  # fmt: skip
-        produced = engine.stats["generation_tokens"] - tokens0
-    # every measured prompt finished once with exactly max_tokens tokens (ignore_eos)
-    assert sorted(o.prompt_token_ids for o in outputs) == sorted(PROMPTS)
-    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
-    assert res["completed"] == res["num_prompts"] == len(PROMPTS)
-    assert res["output_tokens"] == sum(len(o.outputs[0].token_ids) for o in outputs)
-    # the warm-up ran (C prompts cut to 2 tokens) and is not counted
-    assert produced == res["output_tokens"] + CONCURRENCY * 2
-    # never more than C requests in the engine, and C in it (and in one step's batch) at times
-    assert res["max_in_flight"] == CONCURRENCY and res["batch_max"] == CONCURRENCY
-    assert 0 < res["batch_mean"] <= CONCURRENCY and 1 <= res["batch_p50"] <= CONCURRENCY
-    assert res["output_throughput"] > 0 and res["wall_s"] > 0 and res["steps"] > 0
-    assert res["mean_tpot_ms"] > 0 and res["mean_ttft_ms"] >= 0
-    if arm == "nospec":
-        assert res["spec_decode"] is None and res["policy"] is None
-        assert res["scheduler_overhead"] is None
-    else:  # acceptance of the measured requests: tokens per decoding round
-        assert res["spec_decode"]["mean_acceptance_length"] >= 1.0
-        # the policy's counts are this run's alone (the warm-up's steps are not in them):
-        # every measured step counted once by kind
-        kinds = res["policy"]["steps_by_kind"]
-        assert sum(kinds.values()) == res["steps"] and kinds["verify"] > 0
-        if arm == "fixed":  # fixed K never holds drafting off nor decides
-            assert kinds["plain"] == 0 and res["policy"]["plans"]["decision"] == 0
-        # the run's scheduler overhead: its planning and allocation over its step time
-        spent = res["policy"]["overhead_ms"]
-        assert spent["alloc"] >= 0 and (spent["plan"] > 0) == (arm == "adaptive")
-        assert res["scheduler_overhead"] == pytest.approx(
-            (spent["plan"] + spent["alloc"]) / (res["step_ms_per_step"] * res["steps"]))
-        assert 0 <= res["scheduler_overhead"] < 1
-
-
-def test_closed_loop_with_fewer_prompts_than_c_holds_them_all():
-    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128) as llm:
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        res = closed_loop(llm.engine, PROMPTS[:2], lambda i: params, concurrency=5)
-    assert res["completed"] == 2 and res["output_tokens"] == 8 and res["max_in_flight"] == 2
 
 
 def test_parse_levels():
@@ -343,53 +286,6 @@ def test_median_round_is_the_lower_middle_by_throughput():
     assert median_round(rows[:1])["rounds"] == [5.0]
 
 
-def test_lockstep_runs_generators_in_turns_and_charges_each_its_own_time():
-    """_lockstep: round robin, `turn` steps at a time, a sync ending every turn (inside it);
-    a generator done early drops out; each result's wall_s gains its turns' syncs."""
-    import offline_sweep as osw
-
-    calls = []
-
-    def run(name: str, steps: int):
-        for i in range(steps):
-            calls.append((name, i))
-            yield
-        return {"name": name, "wall_s": 1.0}
-
-    syncs = []
-    res = osw._lockstep([run("a", 5), run("b", 2)], 2, lambda: syncs.append(len(calls)))
-    assert calls == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 2), ("a", 3), ("a", 4)]
-    assert [r["name"] for r in res] == ["a", "b"]
-    assert syncs == [2, 4, 6, 6, 7]  # after every turn, the ending ones included
-    assert all(r["wall_s"] >= 1.0 for r in res)
-
-
-def test_in_turns_an_engines_step_periods_leave_out_the_other_engines_turns():
-    """closed_loops_in_turns marks each engine idle when its turn ends: the adaptive engine's
-    online cost model never sees the other engines' turns as one of its step's period (here
-    each turn's sync sleeps 30 ms, so a period spanning the gap to its next turn would be
-    70-90 ms, under the 0.1 s the engine takes for a pause; demo pair, CPU)."""
-    from offline_sweep import closed_loops_in_turns
-
-    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 3,
-            "enable_adaptive_verification": True}  # fmt: skip
-    kw = {"device": "cpu", "max_num_seqs": 8, "max_model_len": 128,
-          "max_num_batched_tokens": 256}  # fmt: skip
-    with LLM(f"{DEMO}/target", **kw) as plain, LLM(f"{DEMO}/target", speculative_config=spec,
-                                                   **kw) as adaptive:  # fmt: skip
-        decoder, periods = adaptive.engine.runner.spec, []
-        observe = decoder.observe_step_time
-        decoder.observe_step_time = lambda ms, *a: periods.append(ms) or observe(ms, *a)
-        params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        rows = closed_loops_in_turns([plain.engine, adaptive.engine],
-                                     [{"prompt_token_ids": p} for p in PROMPTS],
-                                     lambda i: params, CONCURRENCY, turn_steps=2,
-                                     sync=lambda: time.sleep(0.03))  # fmt: skip
-    assert all(r["completed"] == len(PROMPTS) for r in rows)
-    assert len(periods) >= 8  # (several turns' steps observed)
-    assert max(periods) < 55.0, sorted(periods)[-5:]
-
-
 def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turns(tmp_path,
                                                                                 monkeypatch,
                                                                                 capsys):
@@ -440,13 +336,3 @@ def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turn
     assert capsys.readouterr().out.strip() == (
         "fixed3 offline at T=0, prompts whose tokens equal nospec's (16 of 16; per level, "
         "each round): c=2 4/4, 4/4; c=3 4/4, 4/4")
-
-
-def test_compare_tokens_counts_the_prompts_equal_to_the_first_arms():
-    from offline_sweep import _compare_tokens
-
-    rows = [{"_tokens": {0: [1, 2], 1: [3], 2: [5]}}, {"_tokens": {0: [1, 2], 1: [4], 2: [5]}},
-            {"_tokens": {0: [1, 2], 2: [5]}}]  # (the last arm lost prompt 1's output)
-    _compare_tokens(rows)
-    assert [r.get("t0_identical") for r in rows] == [None, [2, 3], [2, 3]]
-    assert not any("_tokens" in r for r in rows)
