@@ -294,7 +294,7 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
 
 
 def print_offline_identity(names: list[str], sweep: dict) -> None:
-    """The T = 0 check of the interleaved offline sweep (offline_sweep._compare_tokens): per
+    """The T = 0 check of the interleaved offline sweep (closed_loop.compare_tokens): per
     arm, level and round, its prompts whose tokens equal those of the arm run first."""
     rows = {n: arm_levels(sweep, n, 0.0) for n in names}
     base = [n for n, lv in rows.items() if lv and not any(lv[0].get("rounds_t0_identical") or ())]
