@@ -49,9 +49,9 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
                            cache_salt=salt)  # fmt: skip
         added += 1
 
+    policy0 = _policy_counts(engine)  # (before the clock: it waits for device timers)
     start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
-    policy0 = _policy_counts(engine)
     while added < min(concurrency, len(prompts)):
         add()
     while engine.has_unfinished_requests():
@@ -68,7 +68,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
         start = time.perf_counter()
     own += time.perf_counter() - start
     policy = _policy_counts(engine)
-    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held, "run": run,
+    return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
             "steps": engine.stats["steps"] - steps0,
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
             "policy": None if policy is None else {
@@ -214,7 +214,7 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "scheduler_overhead": _overhead_fraction(run),
         # prompt index -> its tokens, for the arms' T = 0 comparison (compare_tokens pops it)
         "_tokens": {int(o.request_id.rsplit("-", 1)[1]): list(o.outputs[0].token_ids)
-                    for o in done if o.request_id.startswith(f"closed{run['run']}-")},
+                    for o in done},
     }
 
 
