@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import bench_e2e  # noqa: E402
 from offline_sweep import parse_levels  # noqa: E402
 
+from tests.unit.test_scripts import _bench_e2e_refuses  # noqa: E402
+
 DEMO = os.path.join(ROOT, "dspark", "assets", "demo")
 
 
@@ -37,11 +39,8 @@ def test_parse_levels():
 
 @pytest.mark.parametrize("value", ["0", "128,abc", "4,4"])
 def test_bench_e2e_rejects_bad_offline_sweep_levels(monkeypatch, capsys, value):
-    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
-                                      "--offline-sweep", value])  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        bench_e2e.main()
-    assert exc.value.code == 2 and "argument --offline-sweep" in capsys.readouterr().err
+    err = _bench_e2e_refuses(monkeypatch, capsys, "--offline-sweep", value)
+    assert "argument --offline-sweep" in err
 
 
 @pytest.mark.parametrize("extra", [["--offline-turn-steps", "-1"],
@@ -50,11 +49,8 @@ def test_bench_e2e_rejects_bad_offline_sweep_levels(monkeypatch, capsys, value):
 def test_bench_e2e_rejects_turns_without_an_interleaved_offline_sweep(monkeypatch, capsys,
                                                                      extra):
     sweep = [] if "--interleave" in extra else ["--offline-sweep", "128"]
-    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
-                                      "--device", "cpu", *sweep, *extra])  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        bench_e2e.main()
-    assert exc.value.code == 2 and "--offline-turn-steps" in capsys.readouterr().err
+    err = _bench_e2e_refuses(monkeypatch, capsys, "--device", "cpu", *sweep, *extra)
+    assert "--offline-turn-steps" in err
 
 
 def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
@@ -160,12 +156,8 @@ def test_bench_e2e_offline_only_starts_no_server(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_e2e_offline_only_needs_an_offline_sweep(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--target", "t", "--drafter", "d",
-                                      "--offline-only"])  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        bench_e2e.main()
-    assert exc.value.code == 2 and "--offline-only needs --offline-sweep" in (
-        capsys.readouterr().err)
+    err = _bench_e2e_refuses(monkeypatch, capsys, "--offline-only")
+    assert "--offline-only needs --offline-sweep" in err
 
 
 def _sweep_args(tmp_path, **kw) -> argparse.Namespace:
