@@ -221,9 +221,10 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
                             runs[arm].append(_level(args, llm.engine, t, c, salt))
                     this_round = [runs[arm][-1] for arm, _ in engines]  # (run order's first)
                     if t == 0:
-                        compare_tokens(this_round)
-                    for row in this_round:
-                        row.pop("_tokens", None)
+                        compare_tokens(this_round)  # (it drops the tokens)
+                    else:
+                        for row in this_round:
+                            row.pop("_tokens")
                 for arm, rows in runs.items():
                     by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])
                     by_t.append(median_round(rows, orders))
