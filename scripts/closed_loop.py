@@ -218,15 +218,31 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
     }
 
 
+DIVERGED_KEPT = 16  # prompts a row lists under "t0_diverged" (the first ones by index)
+
+
+def first_difference(a: list[int] | None, b: list[int]) -> int:
+    """The index of the first token where `a` and `b` differ (-1: `a` is missing)."""
+    if a is None:
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def compare_tokens(rows: list[dict]) -> None:
     """One level's round, an arm a row, the first arm's row first: each row gets
     "t0_identical" = [prompts whose tokens equal the first arm's, prompts], at T = 0 (the
-    lossless check at every level's batch sizes, beside the identity pass's 32 prompts);
-    every row's tokens are dropped (the summary would carry every token of the sweep)."""
+    lossless check at every level's batch sizes, beside the identity pass's 32 prompts), and
+    "t0_diverged" = [[prompt, first differing token], ...] for up to DIVERGED_KEPT of the
+    others (where an output left the first arm's tells a near-tie flip, late and rare, from a
+    broken step); every row's tokens are dropped (the summary would carry every token of the
+    sweep)."""
     first = rows[0].pop("_tokens")
     for row in rows[1:]:
         tokens = row.pop("_tokens")
-        row["t0_identical"] = [sum(tokens.get(i) == t for i, t in first.items()), len(first)]
+        diverged = [[i, first_difference(tokens.get(i), t)] for i, t in sorted(first.items())
+                    if tokens.get(i) != t]  # fmt: skip
+        row["t0_identical"] = [len(first) - len(diverged), len(first)]
+        row["t0_diverged"] = diverged[:DIVERGED_KEPT]
 
 
 def _overhead_fraction(run: dict) -> float | None:

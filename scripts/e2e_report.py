@@ -10,6 +10,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from closed_loop import DIVERGED_KEPT  # noqa: E402  (scripts/ is on the path: run from it)
+
 from dspark.spec.confidence import SAMPLING_MODES  # noqa: E402
 from dspark.spec.drafting_log import (  # noqa: E402  (its drafting decisions)
     FLIP_LOG_BURST,
@@ -308,6 +310,13 @@ def print_offline_identity(names: list[str], sweep: dict) -> None:
               f"({same} of {total}; per level, each round): " + "; ".join(
                   f"c={c} " + ", ".join(f"{x[0]}/{x[1]}" for x in per if x)
                   for c, per in counts))  # fmt: skip
+        firsts = [(lv["max_concurrency"], d) for lv in levels
+                  for d in (lv.get("rounds_t0_diverged") or ())[:1] if d]  # fmt: skip
+        if firsts:
+            print(f"{n} offline at T=0, where outputs left {'/'.join(base) or '?'}'s (prompt"
+                  f"@first differing token; each level's first round, up to {DIVERGED_KEPT} "
+                  "prompts): " + "; ".join(f"c={c} " + " ".join(f"{p}@{i}" for p, i in d)
+                                           for c, d in firsts))  # fmt: skip
 
 
 def print_flips(who: str, flips: list[str]) -> None:

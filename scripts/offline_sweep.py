@@ -73,7 +73,8 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
                rounds_policy=[r.get("policy") for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
                                 for r in rounds],
-               rounds_t0_identical=[r.get("t0_identical") for r in rounds])  # fmt: skip
+               rounds_t0_identical=[r.get("t0_identical") for r in rounds],
+               rounds_t0_diverged=[r.get("t0_diverged") for r in rounds])  # fmt: skip
     if orders is not None:
         row["rounds_order"] = orders
     return row

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dspark.attention.base import AttentionBackend
@@ -13,7 +15,13 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         from dspark.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        # DSPARK_ATTENTION_SPLITS=0: no flash-decoding KV splits. A split row sums its keys in
+        # another order than an unsplit one, and whether a row splits depends on the step it
+        # rides in (its batch size, the longest context, a prefill beside it), so bf16 greedy
+        # outputs of the same prompt can part at near-ties between batch compositions (e.g.
+        # with and without speculation). Without splits every row is one left-to-right pass.
+        off = os.environ.get("DSPARK_ATTENTION_SPLITS", "1").lower() in ("0", "false", "off")
+        return TritonAttentionBackend(max_splits=1 if off else 16)
     from dspark.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()

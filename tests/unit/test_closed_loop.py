@@ -16,6 +16,7 @@ from dspark import LLM, SamplingParams
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from closed_loop import (  # noqa: E402
+    DIVERGED_KEPT,
     _lockstep,
     closed_loop,
     closed_loops_in_turns,
@@ -130,4 +131,17 @@ def test_compare_tokens_counts_the_prompts_equal_to_the_first_arms():
             {"_tokens": {0: [1, 2], 2: [5]}}]  # (the last arm lost prompt 1's output)
     compare_tokens(rows)
     assert [r.get("t0_identical") for r in rows] == [None, [2, 3], [2, 3]]
+    # where each other output left the first arm's: prompt 1 at its token 0; a lost output -1
+    assert [r.get("t0_diverged") for r in rows] == [None, [[1, 0]], [[1, -1]]]
     assert not any("_tokens" in r for r in rows)
+
+
+def test_compare_tokens_lists_the_first_differing_token_of_a_few_prompts():
+    base = {i: [7, 8, 9, i] for i in range(40)}
+    other = {i: [7, 8, 9, i] if i % 2 else [7, 8, 1, i] for i in range(40)}
+    other[1] = [7, 8, 9, 1, 5]  # longer than the first arm's: it left it at token 4
+    rows = [{"_tokens": base}, {"_tokens": other}]
+    compare_tokens(rows)
+    assert rows[1]["t0_identical"] == [19, 40]
+    assert rows[1]["t0_diverged"] == ([[0, 2], [1, 4]] + [[i, 2] for i in range(2, 30, 2)]
+                                      )[:DIVERGED_KEPT] and DIVERGED_KEPT == 16  # fmt: skip

@@ -328,3 +328,24 @@ def test_offline_sweep_in_turns_runs_the_arms_at_once_each_timed_by_its_own_turn
     assert capsys.readouterr().out.strip() == (
         "fixed3 offline at T=0, prompts whose tokens equal nospec's (16 of 16; per level, "
         "each round): c=2 4/4, 4/4; c=3 4/4, 4/4")
+
+
+def test_the_identity_report_says_where_diverging_outputs_left_the_first_arms(capsys):
+    from e2e_report import print_offline_identity
+
+    def level(c, identical, diverged):
+        return {"max_concurrency": c, "rounds_t0_identical": identical,
+                "rounds_t0_diverged": diverged}  # fmt: skip
+
+    base = [level(4, [None, None], [None, None]), level(16, [None, None], [None, None])]
+    fixed = [level(4, [[30, 32], [30, 32]], [[[3, 117], [9, 201]], [[3, 117], [9, 201]]]),
+             level(16, [[64, 64], [64, 64]], [[], []])]  # fmt: skip
+    sweep = {"arms": {"nospec": {"by_temperature": {"0": base}},
+                      "fixed7": {"by_temperature": {"0": fixed}}}}  # fmt: skip
+    print_offline_identity(["nospec", "fixed7"], sweep)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [
+        "fixed7 offline at T=0, prompts whose tokens equal nospec's (188 of 192; per level, "
+        "each round): c=4 30/32, 30/32; c=16 64/64, 64/64",
+        "fixed7 offline at T=0, where outputs left nospec's (prompt@first differing token; "
+        "each level's first round, up to 16 prompts): c=4 3@117 9@201"]
