@@ -81,6 +81,10 @@
 # E2E_ARGS="... --interleave --rounds 2 --offline-only --offline-sweep 1,4,16,32,64,128,256
 # --offline-turn-steps 32 --temperatures 0,1": no servers, the three arms' engines in one process
 # in turns, all 14 cells in ~100 s after ~50 s of start-up (forty-sixth session, H100; no TPOT).
+# With the offline sweep at T = 0, every prompt's tokens are compared with no-spec's (the
+# forty-seventh session: 68 of 4,096 parted, at C = 4-32 only); DSPARK_ATTENTION_SPLITS=0 in
+# the call's environment runs every engine without flash-decoding splits (the suspect), e.g.
+# the same command with --offline-sweep 4,16,32 --temperatures 0, once with and once without.
 # A warm machine keeps out/pair for a call made at once after the one that trained it (the
 # forty-sixth session's second call found it: STAGES=e2e then saves the 5 minutes of training).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
@@ -113,7 +117,8 @@ if has tests; then
   # GPU_TESTS: another list of test files (e.g. tests/e2e/test_cuda_graphs.py alone)
   timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/e2e/test_cuda_parity.py \
     tests/e2e/test_cuda_graphs.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
-    tests/kernels/test_attention_variants.py tests/kernels/test_draft_argmax.py \
+    tests/kernels/test_attention_variants.py tests/kernels/test_attention_invariance.py \
+    tests/kernels/test_draft_argmax.py \
     tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \
     tests/kernels/test_row_stats.py tests/kernels/test_softmax_sample.py \
     tests/unit/test_step_clock.py tests/unit/test_lagged_anticipation.py} \
@@ -123,7 +128,8 @@ if has tests; then
 fi
 if has attn; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_triton_attention.py tests/kernels/test_attention_variants.py 2>&1 \
+    tests/kernels/test_triton_attention.py tests/kernels/test_attention_variants.py \
+    tests/kernels/test_attention_invariance.py 2>&1 \
     | tee "$OUT/attn_tests.log" | tail -5
   [[ ${PIPESTATUS[0]} == 0 ]] || status=1
   python3 scripts/bench_attention.py ${ATTN_ARGS---mixed-only} 2>&1 | tee "$OUT/attn.log" | tail -12

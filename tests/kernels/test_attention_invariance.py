@@ -23,8 +23,12 @@ from dspark.attention.triton import launch_config  # noqa: E402
 from dspark.attention.triton import paged_attention as pa  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PAGE, HEADS, KV_HEADS = 16, 4, 2
+PAGE = 16
 VERIFY = 8  # 1 + K
+# (heads, KV heads, head_dim, position): the interpreter's small case everywhere; on a GPU also
+# the 8B shape's heads at a 700-token context (its verify tile is 32 rows, the decode tile 16)
+SHAPES = [(4, 2, 16, p) for p in (5, 37, 70)] + (
+    [(32, 8, 128, 700)] if torch.cuda.is_available() else [])
 
 
 def _metadata(rows: list[tuple[int, int, int]], tables: torch.Tensor) -> AttentionMetadata:
@@ -48,31 +52,34 @@ def _metadata(rows: list[tuple[int, int, int]], tables: torch.Tensor) -> Attenti
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("position", [5, 37, 70])
-def test_a_rows_attention_is_the_same_bits_in_every_step_it_can_ride_in(monkeypatch, dtype,
-                                                                         position):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,position", SHAPES)
+def test_a_rows_attention_is_the_same_bits_in_every_step_it_can_ride_in(
+        monkeypatch, dtype, heads, kv_heads, head_dim, position):  # fmt: skip
     monkeypatch.setenv("DSPARK_ATTENTION_SPLITS", "0")
     backend = select_backend("triton", torch.device(DEVICE))
     assert backend.max_splits == 1  # (and 16 without the variable: the next test)
     gen = torch.Generator().manual_seed(position)
     prefill = 48  # a prompt's chunk: its tile is >= 4x the verify tile, so two launches
     blocks = -(-(position + VERIFY) // PAGE) + -(-prefill // PAGE)
-    k_cache = torch.randn(blocks + 1, PAGE, KV_HEADS, 16, generator=gen).to(dtype).to(DEVICE)
-    v_cache = torch.randn(blocks + 1, PAGE, KV_HEADS, 16, generator=gen).to(dtype).to(DEVICE)
+    cache_shape = (blocks + 1, PAGE, kv_heads, head_dim)
+    k_cache = torch.randn(*cache_shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(*cache_shape, generator=gen).to(dtype).to(DEVICE)
     perm = (torch.randperm(blocks, generator=gen) + 1).to(torch.int32)  # (block 0: sentinel)
     tables = torch.zeros(2, blocks, dtype=torch.int32)
     tables[0, : blocks - 3], tables[1, :3] = perm[: blocks - 3], perm[blocks - 3 :]
     tables = tables.to(DEVICE)
-    q_row = torch.randn(1, HEADS, 16, generator=gen).to(dtype).to(DEVICE)
-    others = torch.randn(prefill + VERIFY, HEADS, 16, generator=gen).to(dtype).to(DEVICE)
+    q_row = torch.randn(1, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    others = torch.randn(prefill + VERIFY, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
 
     def attend(rows, q):
-        return backend.attend(q, k_cache, v_cache, _metadata(rows, tables), 0.25)
+        return backend.attend(q, k_cache, v_cache, _metadata(rows, tables), head_dim**-0.5)
 
     alone = attend([(0, position, 1)], q_row)
     verify = attend([(0, position, VERIFY)], torch.cat([q_row, others[: VERIFY - 1]]))
     md = _metadata([(1, 0, prefill), (0, position, 1)], tables)
-    plan = launch_config.launch_plan(2, md.max_query_len, 16, DEVICE == "cuda", VERIFY)
+    group_pad = 1 << (heads // kv_heads - 1).bit_length()
+    plan = launch_config.launch_plan(group_pad, md.max_query_len, head_dim, DEVICE == "cuda",
+                                     VERIFY)  # fmt: skip
     assert [launch.pass_ for launch in plan] == [2, 1]  # (the prefill's launch, then the row's)
     beside_prefill = attend([(1, 0, prefill), (0, position, 1)], torch.cat([others[:prefill],
                                                                             q_row]))  # fmt: skip
@@ -96,4 +103,4 @@ def test_with_splits_the_same_rows_bits_depend_on_the_step(monkeypatch):
     monkeypatch.setattr(pa, "pick_num_splits", lambda *args: 4)
     with pytest.raises(AssertionError, match="equal"):
         test_a_rows_attention_is_the_same_bits_in_every_step_it_can_ride_in(
-            monkeypatch, torch.bfloat16, 70)
+            monkeypatch, torch.bfloat16, 4, 2, 16, 70)
