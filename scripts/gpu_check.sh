@@ -25,6 +25,7 @@
 #           a fresh machine all the same (forty-fourth session: both such calls did, with the
 #           lease saying warm): train and serve in one call (STAGES=train,e2e)
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
+#   e2e_nosplit  the same run with DSPARK_ATTENTION_SPLITS=0 (NOSPLIT_DEADLINE)  -> $OUT/e2e_nosplit*
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1, 4, 16, 64, 256), served
 #           interleaved, 3 rounds, T = 0 by default (the machine's host speed drifts 2x:
 #           sequential arms of this host-bound pair are not comparable; twenty-fifth session;
@@ -83,8 +84,12 @@
 # in turns, all 14 cells in ~100 s after ~50 s of start-up (forty-sixth session, H100; no TPOT).
 # With the offline sweep at T = 0, every prompt's tokens are compared with no-spec's (the
 # forty-seventh session: 68 of 4,096 parted, at C = 4-32 only); DSPARK_ATTENTION_SPLITS=0 in
-# the call's environment runs every engine without flash-decoding splits (the suspect), e.g.
-# the same command with --offline-sweep 4,16,32 --temperatures 0, once with and once without.
+# the call's environment runs every engine without flash-decoding splits (the suspect);
+# STAGES=train,e2e,e2e_nosplit runs the e2e command twice in one call, with splits and
+# without (E2E_DEADLINE / NOSPLIT_DEADLINE end each), e.g. with E2E_ARGS="--num-prompts 32
+# --prompts-per-concurrency 4 --warmup 8 --interleave --rounds 1 --engine-cpus 1
+# --num-kv-blocks 16384 --temperatures 0 --identity-prompts 0 --arms nospec,fixed,adaptive
+# --offline-only --offline-sweep 1,4,16,32,64 --offline-turn-steps 32".
 # A warm machine keeps out/pair for a call made at once after the one that trained it (the
 # forty-sixth session's second call found it: STAGES=e2e then saves the 5 minutes of training).
 # The serving stages (e2e, demo_e2e, synth) also sample the GPU's SM clock, temperature and power
@@ -155,7 +160,7 @@ if has step8b; then
     --profile-tokens 16 --synthetic-rates ${SYNTHETIC_RATES:-0.65,0.56,0.55,0.55,0.57,0.76,0.8} \
     --out "$OUT/step8b" 2>&1 | tee "$OUT/step8b.log" | tail -30
 fi
-if has e2e && ! has train && [[ ! -f out/pair/main/target/config.json ]]; then
+if (has e2e || has e2e_nosplit) && ! has train && [[ ! -f out/pair/main/target/config.json ]]; then
   echo "e2e: no trained pair in out/pair (a fresh machine: the pair lives only on the machine" \
     "that trained it); run STAGES=train,e2e" >&2
   exit 2
@@ -179,7 +184,7 @@ fi
 # fresh machine's 10,871 (4cc10ed5...; the sixteenth session's 10,621 training files against
 # the seventeenth's 10,658 had the same cause)
 SERVER_STACK=/tmp/server_stack
-if (has e2e || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]]; then
+if (has e2e || has e2e_nosplit || has synth || has demo_e2e || has ceiling) && [[ -d .whl ]]; then
   export PYTHONPATH=$PYTHONPATH:$SERVER_STACK
   if ! python3 -c "import uvicorn, fastapi, aiohttp, prometheus_client" 2>/dev/null; then
     # the machine has no internet: the wheels of scripts/fetch_device_wheels.sh (aiohttp, the
@@ -201,9 +206,10 @@ pack() {  # pack NAME: keep the summary + T=0 plot of /tmp/NAME in $OUT, tar the
 # ~0 s): its timeout is what is left, and with --interleave bench_e2e starts no level in the
 # last E2E_TAIL_S s (default 60: the longest level's run, the identity pass, the report), so
 # the cut falls between levels and the report covers every level measured
-e2e_limit() {
-  if [[ -n ${E2E_DEADLINE:-} ]]; then
-    local left=$((E2E_DEADLINE - SECONDS)) stop
+e2e_limit() {  # e2e_limit [DEADLINE]: the given deadline (default E2E_DEADLINE's)
+  local deadline=${1:-${E2E_DEADLINE:-}}
+  if [[ -n $deadline ]]; then
+    local left=$((deadline - SECONDS)) stop
     stop=$((left - ${E2E_TAIL_S:-60}))  # (bench_e2e counts from its start, servers' included)
     echo "$((left > 1 ? left : 1))" "--stop-after $((stop > 0 ? stop : 0))"
   else
@@ -218,6 +224,21 @@ if has e2e; then
     --out /tmp/e2e ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} $e2e_stop 2>&1 \
     | tee "$OUT/e2e.log" | tail -30
   pack e2e
+fi
+if has e2e_nosplit; then
+  # the e2e stage's run again with DSPARK_ATTENTION_SPLITS=0 (no flash-decoding splits: the
+  # suspect of the T = 0 partings at C = 4-32, forty-seventh session); NOSPLIT_DEADLINE is
+  # its E2E_DEADLINE. Its log goes into its .tgz ($OUT's 8-file cap)
+  read -r e2e_timeout e2e_stop <<< "$(e2e_limit "${NOSPLIT_DEADLINE:-}")"
+  echo "e2e_nosplit: ${e2e_timeout} s left ${e2e_stop}"
+  mkdir -p /tmp/e2e_nosplit
+  DSPARK_ATTENTION_SPLITS=0 timeout -k 10 $e2e_timeout python3 scripts/bench_e2e.py \
+    --target out/pair/main/target --drafter out/pair/main/drafter \
+    --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
+    --out /tmp/e2e_nosplit ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} \
+    $e2e_stop > /tmp/e2e_nosplit/e2e_nosplit.log 2>&1
+  tail -30 /tmp/e2e_nosplit/e2e_nosplit.log
+  pack e2e_nosplit
 fi
 if has demo_e2e; then  # the same sweep on the bundled demo pair (no training needed)
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target dspark/assets/demo/target \
