@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 _POLICIES = ("lagged", "early_stop", "threshold", "fixed")
+
+
+def env_switch(name: str) -> bool:
+    """An on-by-default DSPARK_* switch: off when set to 0, false, off or no (any case)."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "off", "no")
 
 
 def parse_speculative_json(text: str) -> dict:

@@ -299,21 +299,22 @@ def print_offline_identity(names: list[str], sweep: dict) -> None:
     """The T = 0 check of the interleaved offline sweep (closed_loop.compare_tokens): per
     arm, level and round, its prompts whose tokens equal those of the arm run first."""
     rows = {n: arm_levels(sweep, n, 0.0) for n in names}
-    base = [n for n, lv in rows.items() if lv and not any(lv[0].get("rounds_t0_identical") or ())]
+    base = "/".join(n for n, lv in rows.items()
+                    if lv and not any(lv[0].get("rounds_t0_identical") or ())) or "?"  # fmt: skip
     for n, levels in rows.items():
         counts = [(lv["max_concurrency"], lv.get("rounds_t0_identical") or ()) for lv in levels]
         if not any(c for _, per in counts for c in per):
             continue
         same = sum(c[0] for _, per in counts for c in per if c)
         total = sum(c[1] for _, per in counts for c in per if c)
-        print(f"{n} offline at T=0, prompts whose tokens equal {'/'.join(base) or '?'}'s "
+        print(f"{n} offline at T=0, prompts whose tokens equal {base}'s "
               f"({same} of {total}; per level, each round): " + "; ".join(
                   f"c={c} " + ", ".join(f"{x[0]}/{x[1]}" for x in per if x)
                   for c, per in counts))  # fmt: skip
         firsts = [(lv["max_concurrency"], d) for lv in levels
                   for d in (lv.get("rounds_t0_diverged") or ())[:1] if d]  # fmt: skip
         if firsts:
-            print(f"{n} offline at T=0, where outputs left {'/'.join(base) or '?'}'s (prompt"
+            print(f"{n} offline at T=0, where outputs left {base}'s (prompt"
                   f"@first differing token; each level's first round, up to {DIVERGED_KEPT} "
                   "prompts): " + "; ".join(f"c={c} " + " ".join(f"{p}@{i}" for p, i in d)
                                            for c, d in firsts))  # fmt: skip

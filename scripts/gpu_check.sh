@@ -216,29 +216,26 @@ e2e_limit() {  # e2e_limit [DEADLINE]: the given deadline (default E2E_DEADLINE'
     echo "${E2E_TIMEOUT:-560}"
   fi
 }
-if has e2e; then
-  read -r e2e_timeout e2e_stop <<< "$(e2e_limit)"
-  echo "e2e: ${e2e_timeout} s left ${e2e_stop}"
+e2e_pair_run() {  # e2e_pair_run NAME LOG [DEADLINE]: bench_e2e.py on out/pair into /tmp/NAME
+  local e2e_timeout e2e_stop
+  read -r e2e_timeout e2e_stop <<< "$(e2e_limit "${3:-}")"
+  echo "$1: ${e2e_timeout} s left ${e2e_stop}"
+  mkdir -p "/tmp/$1"
   timeout -k 10 $e2e_timeout python3 scripts/bench_e2e.py --target out/pair/main/target --drafter out/pair/main/drafter \
     --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} $e2e_stop 2>&1 \
-    | tee "$OUT/e2e.log" | tail -30
-  pack e2e
+    --out "/tmp/$1" ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} $e2e_stop 2>&1 \
+    | tee "$2" | tail -30
+  pack "$1"
+}
+if has e2e; then
+  e2e_pair_run e2e "$OUT/e2e.log"
 fi
 if has e2e_nosplit; then
   # the e2e stage's run again with DSPARK_ATTENTION_SPLITS=0 (no flash-decoding splits: the
   # suspect of the T = 0 partings at C = 4-32, forty-seventh session); NOSPLIT_DEADLINE is
   # its E2E_DEADLINE. Its log goes into its .tgz ($OUT's 8-file cap)
-  read -r e2e_timeout e2e_stop <<< "$(e2e_limit "${NOSPLIT_DEADLINE:-}")"
-  echo "e2e_nosplit: ${e2e_timeout} s left ${e2e_stop}"
-  mkdir -p /tmp/e2e_nosplit
-  DSPARK_ATTENTION_SPLITS=0 timeout -k 10 $e2e_timeout python3 scripts/bench_e2e.py \
-    --target out/pair/main/target --drafter out/pair/main/drafter \
-    --sts out/pair/main/drafter/sts.json --dataset humaneval --dataset-path $HE --sweep "$SWEEP" \
-    --out /tmp/e2e_nosplit ${E2E_ARGS:---num-prompts 64 --prompts-per-concurrency 8 --warmup 8} \
-    $e2e_stop > /tmp/e2e_nosplit/e2e_nosplit.log 2>&1
-  tail -30 /tmp/e2e_nosplit/e2e_nosplit.log
-  pack e2e_nosplit
+  DSPARK_ATTENTION_SPLITS=0 e2e_pair_run e2e_nosplit /tmp/e2e_nosplit/e2e_nosplit.log \
+    "${NOSPLIT_DEADLINE:-}"
 fi
 if has demo_e2e; then  # the same sweep on the bundled demo pair (no training needed)
   timeout -k 10 ${E2E_TIMEOUT:-560} python3 scripts/bench_e2e.py --target dspark/assets/demo/target \

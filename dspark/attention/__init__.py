@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dspark.attention.base import AttentionBackend
+from dspark.config import env_switch
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -20,8 +19,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         # rides in (its batch size, the longest context, a prefill beside it), so bf16 greedy
         # outputs of the same prompt can part at near-ties between batch compositions (e.g.
         # with and without speculation). Without splits every row is one left-to-right pass.
-        off = os.environ.get("DSPARK_ATTENTION_SPLITS", "1").lower() in ("0", "false", "off")
-        return TritonAttentionBackend(max_splits=1 if off else 16)
+        return TritonAttentionBackend(max_splits=16 if env_switch("DSPARK_ATTENTION_SPLITS") else 1)
     from dspark.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -30,10 +30,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from dspark.config import env_switch
 from dspark.triton_jit import unspecialized
 
 # DSPARK_FUSED_OPS=0 keeps the torch code everywhere (dispatch: norm.fused_ops).
-ENABLED = os.environ.get("DSPARK_FUSED_OPS", "1").lower() not in ("0", "false", "off", "no")
+ENABLED = env_switch("DSPARK_FUSED_OPS")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 ON_CPU = False  # tests: also dispatch CPU tensors here when INTERPRET (slow; numerics only)
 _INTERPRET = tl.constexpr(INTERPRET)

@@ -15,9 +15,9 @@ are split into 16-bit halves so that no intermediate exceeds 2**49 (no signed ov
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from dspark.config import env_switch
 
 _M32 = 0xFFFFFFFF
 
@@ -81,7 +81,7 @@ def hash_ints(*keys: int) -> int:
 
 # DSPARK_FUSED_OPS=0 keeps the torch code on CUDA too. Tests set ON_CPU to run the Triton
 # kernel through the interpreter on CPU tensors.
-_TRITON = os.environ.get("DSPARK_FUSED_OPS", "1").lower() not in ("0", "false", "off", "no")
+_TRITON = env_switch("DSPARK_FUSED_OPS")
 ON_CPU = False
 _kernel = None
 
