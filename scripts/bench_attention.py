@@ -101,7 +101,8 @@ def bench_decode(batch, ctx, q_len, args, splits=None):
     ]
     ms = graph_time_ms(calls)
     num_q_progs = batch * args.kv_heads  # what the split heuristic sees
-    used = splits or launch_config.pick_num_splits(q.device, num_q_progs, ctx, 16, 128)
+    segments = triton.cdiv(ctx, launch_config.SPLIT_LEN)
+    used = splits or launch_config.pick_num_splits(q.device, num_q_progs, segments, 16)
     return ms, kv_bytes + 2 * q.numel() * q.element_size(), used
 
 

@@ -14,11 +14,9 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         from dspark.attention.triton_backend import TritonAttentionBackend
 
-        # DSPARK_ATTENTION_SPLITS=0: no flash-decoding KV splits. A split row sums its keys in
-        # another order than an unsplit one, and whether a row splits depends on the step it
-        # rides in (its batch size, the longest context, a prefill beside it), so bf16 greedy
-        # outputs of the same prompt can part at near-ties between batch compositions (e.g.
-        # with and without speculation). Without splits every row is one left-to-right pass.
+        # DSPARK_ATTENTION_SPLITS=0: no flash-decoding KV splits. Split or not, a row's keys
+        # are summed in the same fixed segments in the same order (paged_attention), so the
+        # switch changes speed only: few requests over long contexts decode slower without.
         return TritonAttentionBackend(max_splits=16 if env_switch("DSPARK_ATTENTION_SPLITS") else 1)
     from dspark.attention.torch_ref import TorchAttentionBackend
 

@@ -23,16 +23,22 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     attends_written_kv = True
 
-    def __init__(self, max_splits: int = 16, min_split_len: int = 128) -> None:
-        """max_splits / min_split_len bound flash-decoding's KV splits (1 disables them)."""
+    def __init__(self, max_splits: int = 16, min_split_len: int = 128,
+                 split_len: int | None = None) -> None:  # fmt: skip
+        """max_splits bounds flash-decoding's KV splits (1 disables them); the paged
+        attention sums keys in segments of split_len (default SPLIT_LEN) with or without
+        splits, so they change its speed, never its bits; min_split_len bounds the drafter's
+        chunks."""
         # lazy: importing the kernels imports triton
         from dspark.attention.triton import draft_attention, kv_write, paged_attention
+        from dspark.attention.triton.launch_config import SPLIT_LEN
 
         self._write_kv = kv_write.write_kv
         self._paged_attention = paged_attention.paged_attention
         self._draft_attention = draft_attention.draft_attention
         self.max_splits = max_splits
         self.min_split_len = min_split_len
+        self.split_len = split_len or SPLIT_LEN
 
     @staticmethod
     def is_available(device: torch.device | str | None = None) -> bool:
@@ -52,10 +58,10 @@ class TritonAttentionBackend(AttentionBackend):
         whose rows verify nothing (AttentionMetadata.short_query_len 1)."""
         from dspark.attention.triton import paged_attention_warmup as paw
 
-        n = paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.min_split_len,
+        n = paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.split_len,
                        self.short_query_len)  # fmt: skip
         if self.short_query_len > 1:
-            n += paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.min_split_len,
+            n += paw.warmup(k_cache, v_cache, num_heads, self.max_splits, self.split_len,
                             1, prefill_only=True)  # fmt: skip
         return n
 
@@ -71,7 +77,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._paged_attention(
             q, k_cache, v_cache, md, scale,
-            max_splits=self.max_splits, min_chunk=self.min_split_len,
+            max_splits=self.max_splits, split_len=self.split_len,
             short_query_len=(self.short_query_len if md.short_query_len is None
                              else md.short_query_len),
         )

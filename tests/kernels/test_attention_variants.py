@@ -34,9 +34,9 @@ def test_every_reachable_launch_is_warmed(monkeypatch, group, head_dim, short_qu
         for launch in launch_config.launch_plan(gp, qlen, head_dim, True, short_query_len):
             for programs in [1, 2, 3, 5, 8, 13, 40, 100, 131, 132, 1000]:
                 for kv_len in [1, 100, 128, 300, 700, 1500, 2048, 5000, 40000]:
-                    splits = launch_config.pick_num_splits(dev, programs, kv_len, 16, 128)
+                    segments = -(-kv_len // launch_config.SPLIT_LEN)
+                    splits = launch_config.pick_num_splits(dev, programs, segments, 16)
                     assert splits & (splits - 1) == 0  # a power of two
-                    splits = 1 if launch.pass_ == 1 else splits  # the short launch never splits
                     stages = launch_config.num_stages(True, launch.block_q * gp, splits)
                     key = (*launch, splits, stages)
                     assert key in variants, key
@@ -55,7 +55,7 @@ def test_warmup_runs_every_variant(short_query_len):
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)  # [blocks, page, Hkv, D]
     v_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)
-    backend = TritonAttentionBackend(max_splits=4, min_split_len=16)
+    backend = TritonAttentionBackend(max_splits=4, split_len=16)
     backend.short_query_len = short_query_len
     calls = []
     real = pa.paged_attention
@@ -136,7 +136,7 @@ def test_no_compile_in_serving_after_warmup_on_cuda(short_query_len):
     backend = TritonAttentionBackend()
     backend.short_query_len = short_query_len
     backend.warmup(k_cache, v_cache, heads)
-    kernels = (pa._paged_attention_kernel, pa._combine_kernel)
+    kernels = (pa._paged_attention_kernel, pa._fold_partials_kernel)
     before = [_compiled(k) for k in kernels]
     for num_reqs, qlen, ctx in [(1, 1, 40), (1, 1, 3000), (3, 8, 900), (40, 1, 2000),
                                 (300, 1, 100), (2, 300, 500), (64, 8, 64), (5, 17, 1500)]:

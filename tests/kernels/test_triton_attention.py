@@ -35,6 +35,7 @@ if not HAS_CUDA and not INTERPRET:
     pytest.skip("no CUDA device and TRITON_INTERPRET is off", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
 cuda_only = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA device")
+SMALL_SPLIT = 16 if INTERPRET else 64  # key segments a short context has several of
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 REF = TorchAttentionBackend()
 
@@ -167,22 +168,28 @@ def test_forward_ragged_mixed(group, page):
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_forward_short_rows_with_a_long_padding_tail(num_splits):
     """A graph bucket's padding tail can be many tiles long; with a short launch (one program
-    per request, none for the tail) the long launch still zeroes all of it, and when the long
-    launch splits, its combine (over every token) does not clobber the short rows."""
+    per request, none for the tail) the long launch still zeroes all of it, and when the step
+    splits, both launches write partials and the one fold after them covers every token."""
     gen = torch.Generator().manual_seed(31 + num_splits)
     q_lens, prefix = [1, 2, 0, 1, 3, 24], [9, 30, 4, 0, 17, 5]
     plan = launch_config.launch_plan(2, max(q_lens), 16, HAS_CUDA and not INTERPRET, 1)
     assert [launch.pass_ for launch in plan] == [2, 1] and 150 > 2 * plan[0].block_q
     run_forward(gen, q_lens, prefix, 4, 4, 2, 16, torch.float32, num_pad=150,
-                num_splits=num_splits, short_query_len=1)
+                num_splits=num_splits, short_query_len=1, split_len=SMALL_SPLIT)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_forward_split_kv(num_splits):
+    """Rows of 1 to 5 key segments; fewer splits than segments (a split takes every
+    num_splits-th segment); the padding tail."""
     gen = torch.Generator().manual_seed(7 + num_splits)
     q_lens, prefix = [1, 4, 0, 2], [40, 3, 9, 70]
-    run_forward(gen, q_lens, prefix, 4, 4, 1, 32, torch.float32, num_pad=2,
-                num_splits=num_splits)
+    out, _ = run_forward(gen, q_lens, prefix, 4, 4, 1, 32, torch.float32, num_pad=2,
+                         num_splits=num_splits, split_len=SMALL_SPLIT)
+    again, _ = run_forward(torch.Generator().manual_seed(7 + num_splits), q_lens, prefix, 4, 4,
+                           1, 32, torch.float32, num_pad=2, num_splits=1,
+                           split_len=SMALL_SPLIT)  # fmt: skip
+    assert torch.equal(out, again)  # split or not: the same bits
 
 
 def test_forward_prefill_many_blocks_bf16():
@@ -227,13 +234,13 @@ def test_forward_two_launches_for_short_and_long_requests(short_query_len):
 
 def test_two_launches_with_an_odd_group_and_a_padded_head_dim():
     """Three query heads per KV head (the tile pads the group to 4) and head_dim 24 (padded
-    to 32), fp16, with the long launch split."""
+    to 32), fp16, with the step split (both launches)."""
     gen = torch.Generator().manual_seed(17)
     plan = launch_config.launch_plan(4, 30, 24, HAS_CUDA and not INTERPRET, 2)
     assert [launch.pass_ for launch in plan] == [2, 1], plan
     q_lens, prefix = [2, 30, 1, 0, plan[1].short_max + 1], [33, 5, 60, 2, 0]
     run_forward(gen, q_lens, prefix, 4, 6, 2, 24, torch.float16, num_pad=3, num_splits=2,
-                short_query_len=2)
+                short_query_len=2, split_len=SMALL_SPLIT)
 
 
 def run_draft(gen, ctx_lens, block_len, page, num_heads, num_kv, head_dim, dtype,

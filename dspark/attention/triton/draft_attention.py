@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.attention.triton.launch_config import num_stages, pick_num_splits
-from dspark.attention.triton.paged_attention import (
+from dspark.attention.triton.flash_common import (
     LOG2E,
     _attend_paged,
     _empty,
@@ -28,6 +27,7 @@ from dspark.attention.triton.paged_attention import (
     combine_splits,
     dot_precision,
 )
+from dspark.attention.triton.launch_config import num_stages, pick_num_splits
 from dspark.triton_jit import unspecialized
 
 
@@ -136,7 +136,7 @@ def draft_attention(
     warps = 1 if not on_gpu else (4 if rows <= 64 else 8)
     if num_splits is None:
         busy = num_reqs * num_q_groups * num_kv_heads
-        num_splits = pick_num_splits(q.device, busy, max_ctx_len, max_splits, min_chunk)
+        num_splits = pick_num_splits(q.device, busy, max_ctx_len // min_chunk, max_splits)
     stages = num_stages(on_gpu, rows, num_splits)
     out3d = out.view(num_reqs * block_len, num_heads, head_dim)
     if num_splits > 1:

@@ -25,17 +25,25 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# the paged kernel sums a row's keys in segments of this many positions, whatever the step
+# (see paged_attention): a multiple of every BLOCK_N (64 / 32 on a GPU, 16 interpreted)
+SPLIT_LEN = 256
+# a split step's partials ([segments, tokens, heads, head_dim] fp32) stay under this; past
+# it the step does not split (the graphs' bound is max_model_len: many segments)
+PARTIALS_MAX_BYTES = 128 << 20
+
+
 def pick_num_splits(
-    device: torch.device, num_programs: int, max_kv_len: int, max_splits: int, min_chunk: int
+    device: torch.device, num_programs: int, max_chunks: int, max_splits: int
 ) -> int:
-    """Split the KV range only when the grid cannot fill the chip and contexts are long. The
-    count is a power of two: NUM_SPLITS is a compile-time constant, so every distinct value is
-    a kernel compiled on first use (~1 s in the middle of serving); `warmup` compiles them all
-    at start-up."""
+    """Split the KV range only when the grid cannot fill the chip and some context spans
+    several chunks (`max_chunks`: the most a row's keys make). The count is a power of two:
+    NUM_SPLITS is a compile-time constant, so every distinct value is a kernel compiled on
+    first use (~1 s in the middle of serving); `warmup` compiles them all at start-up."""
     sms = num_sms(device)
-    if max_splits <= 1 or num_programs >= sms:
+    if max_splits <= 1 or num_programs >= sms or max_chunks <= 1:
         return 1
-    splits = min(max_splits, triton.cdiv(3 * sms, num_programs), max_kv_len // min_chunk)
+    splits = min(max_splits, triton.cdiv(3 * sms, num_programs), max_chunks)
     return 1 << (max(1, splits).bit_length() - 1)  # round down to a power of two
 
 

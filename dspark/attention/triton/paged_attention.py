@@ -25,22 +25,38 @@ search). Each launch skips the other's requests, so the grids still depend on CP
 and a graph replays correctly whichever rows turn out short. (One launch gave each 1-token
 decode row a 128-row tile: 503 against 303 us for a c = 256 step's layer on the H200.)
 
-With `num_splits > 1` (flash decoding, for few programs over long contexts) axis 2 splits
-each program's KV range into equal tile-aligned chunks computed on device; every split
-writes a normalised partial output and its log-sum-exp (base 2), then `_combine_kernel`
-merges them. Empty splits write zeros and a -1e30 sentinel, so every partial is written.
+Batch invariance: a row's keys are summed in fixed segments of `split_len` key positions
+([0, W), [W, 2W), ...; W a multiple of BLOCK_N): an online softmax within a segment, then the
+segments folded one after another in key order (`_fold_segment`). Without splits a program
+folds its rows' segments itself; with `num_splits > 1` (flash decoding, for few programs over
+long contexts) the programs of axis 2 take the segments in turn (split s: segments s, s + S,
+...), each writing its normalised partial output and log-sum-exp (base 2) to the segment's
+slot, and `_fold_partials_kernel` folds each row's segments with the same operations. So a
+row's bits depend on its own keys and position only: not on the batch, the tile it rides in,
+a prefill beside it, or the split count, all of which change with the step (the forty-seventh
+session's H100 sweep saw 68 of 4,096 greedy outputs part from no-spec's while the chunk width
+followed the step). Both launches of a step split alike and share one fold.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dspark.attention.base import AttentionMetadata
+from dspark.attention.triton.flash_common import (
+    LOG2E,
+    _attend_paged,
+    _attend_tile,
+    _empty,
+    _fold_segment,
+    _segment_result,
+    dot_precision,
+)
 from dspark.attention.triton.launch_config import (
+    PARTIALS_MAX_BYTES,
+    SPLIT_LEN,
     Launch,
     _launch_config,
     launch_plan,
@@ -48,12 +64,6 @@ from dspark.attention.triton.launch_config import (
     pick_num_splits,
 )
 from dspark.triton_jit import unspecialized
-
-LSE_EMPTY = -1.0e30  # log-sum-exp written by a split that saw no key
-LOG2E = 1.4426950408889634
-# Triton's interpreter multiplies bf16 operands as raw uint16 bits (seen in 3.9): under it,
-# dot operands are upcast exactly to fp32 (the rounding of p to the value dtype is kept).
-_UPCAST_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 
 
 @triton.jit
@@ -71,90 +81,12 @@ def _find_req(cu_q_ptr, pid, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
-def _mma(a, b, DOT_PRECISION: tl.constexpr):
-    """a @ b with fp32 accumulation."""
-    if _UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
-    """One online-softmax update: s [M, N] scores in log2 units (-inf = masked), v [N, D]."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_paged(
-    acc, m_i, l_i,
-    q,  # [BLOCK_M, BLOCK_D]
-    qpos,  # [BLOCK_M] int32 query positions (used when CAUSAL)
-    kv_lo, kv_hi,  # key positions [kv_lo, kv_hi) of this request
-    k_cache_ptr, v_cache_ptr, bt_ptr, kvh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    sm_scale_log2,
-    CAUSAL: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        kpos = start + offs_n
-        k_ok = kpos < kv_hi
-        blk = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        in_page = (kpos % PAGE).to(tl.int64)
-        kt_ptrs = k_cache_ptr + (blk * stride_kb + in_page * stride_ks + kvh * stride_kh)[None, :]
-        kt = tl.load(kt_ptrs + offs_d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _mma(q, kt, DOT_PRECISION) * sm_scale_log2  # [M, N]
-        if CAUSAL:
-            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
-        else:
-            visible = k_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        v_ptrs = v_cache_ptr + (blk * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
-        v = tl.load(v_ptrs + offs_d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _store_result(
-    acc, m_i, l_i, row_tok, row_head, row_ok, split,
-    out_ptr, stride_ot, stride_oh,
-    part_o_ptr, part_lse_ptr, num_tokens,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Write the final output (one split) or this split's partial output and lse."""
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    tok = row_tok.to(tl.int64)
-    if NUM_SPLITS == 1:
-        ptrs = out_ptr + (tok * stride_ot + row_head * stride_oh)[:, None] + offs_d[None, :]
-        tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        row = (split * num_tokens + tok) * NUM_HEADS + row_head  # [S, T, H] row index
-        tl.store(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], o, mask=mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), -1.0e30)
-        tl.store(part_lse_ptr + row, lse, mask=row_ok)
-
-
-@triton.jit(**unspecialized("num_reqs", "num_tokens", "positions_ptr", "stride_bt"))
+@triton.jit(**unspecialized("num_reqs", "num_tokens", "num_segments", "positions_ptr",
+                            "stride_bt"))  # fmt: skip
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, positions_ptr, block_tables_ptr,
-    num_reqs, num_tokens, sm_scale_log2,
+    num_reqs, num_tokens, num_segments, sm_scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -162,7 +94,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr, SHORT_MAX: tl.constexpr,  # PASS 0: every request; 1: short; 2: long
 ):
     pid = tl.program_id(0)
@@ -201,71 +133,85 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + (row_tok.to(tl.int64) * stride_qt + row_head * stride_qh)[:, None]
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
-
+    # keys [0, kv_hi), in segments of SPLIT_LEN: the segment count is capped by the partials'
+    # slots (num_segments, from the CPU bound max_seq_len; a bound any real row meets)
     kv_hi = tl.minimum(seq_len, tl.max(qpos, axis=0) + 1)
-    chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, kv_hi)
-
+    kv_hi = tl.minimum(kv_hi, num_segments * SPLIT_LEN)
+    bt_ptr = block_tables_ptr + r.to(tl.int64) * stride_bt
+    out_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_paged(
-        acc, m_i, l_i, q, qpos, lo, hi,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + r.to(tl.int64) * stride_bt, kvh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, sm_scale_log2,
-        CAUSAL=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        DOT_PRECISION=DOT_PRECISION,
-    )
-    _store_result(
-        acc, m_i, l_i, row_tok, row_head, row_ok, split,
-        out_ptr, stride_ot, stride_oh, part_o_ptr, part_lse_ptr, num_tokens,
-        NUM_HEADS=NUM_HEADS, NUM_SPLITS=NUM_SPLITS, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-    )
+    if NUM_SPLITS == 1:  # every segment here, folded at its last tile (one pipelined loop)
+        o_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        w_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, kv_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpos, start, kv_hi, k_cache_ptr, v_cache_ptr, bt_ptr, kvh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                sm_scale_log2, CAUSAL=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+            )
+            if ((start + BLOCK_N) % SPLIT_LEN == 0) | (start + BLOCK_N >= kv_hi):
+                o, lse = _segment_result(acc, m_i, l_i)
+                o_run, m_run, w_run = _fold_segment(o_run, m_run, w_run, o, lse)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        o = o_run / tl.where(w_run > 0.0, w_run, 1.0)[:, None]  # (no key at all: zeros)
+        ptrs = out_ptr + (row_tok.to(tl.int64) * stride_ot + row_head * stride_oh)[:, None]
+        tl.store(ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:  # segments split, split + NUM_SPLITS, ...: each one's partial to its own slot
+        for seg in range(split, tl.cdiv(kv_hi, SPLIT_LEN), NUM_SPLITS):
+            lo = seg * SPLIT_LEN
+            acc, m_i, l_i = _attend_paged(
+                tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+                tl.full([BLOCK_M], -1.0e30, dtype=tl.float32),
+                tl.zeros([BLOCK_M], dtype=tl.float32),
+                q, qpos, lo, tl.minimum(lo + SPLIT_LEN, kv_hi), k_cache_ptr, v_cache_ptr,
+                bt_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                sm_scale_log2, CAUSAL=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+                BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+            )
+            o, lse = _segment_result(acc, m_i, l_i)
+            row = (seg * num_tokens + row_tok.to(tl.int64)) * NUM_HEADS + row_head  # [S, T, H]
+            tl.store(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], o, mask=out_mask)
+            tl.store(part_lse_ptr + row, lse, mask=row_ok)
 
 
-@triton.jit(**unspecialized("num_tokens"))
-def _combine_kernel(
-    part_o_ptr,  # [S, N, H, D] fp32, normalised per split
-    part_lse_ptr,  # [S, N, H] fp32, base-2 log-sum-exp (LSE_EMPTY for empty splits)
-    out_ptr, stride_ot, stride_oh, num_tokens,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(**unspecialized("num_reqs", "num_tokens", "num_segments", "positions_ptr"))
+def _fold_partials_kernel(
+    part_o_ptr,  # [S, T, H, D] fp32, normalised per segment
+    part_lse_ptr,  # [S, T, H] fp32, base-2 log-sum-exp
+    out_ptr, stride_ot, stride_oh,
+    token_to_req_ptr, seq_lens_ptr, positions_ptr, num_reqs, num_tokens, num_segments,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
 ):
+    """One (token, head) row: its segments folded in key order, as the unsplit kernel does.
+    Only the segments that hold the row's keys are read (every one of them was written); a
+    padding token has none and comes out as zeros."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    row = (offs_s * num_tokens + tok) * NUM_HEADS + head  # [SPLITS_PAD]
-    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    mask = s_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(part_o_ptr + (row * HEAD_DIM)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    o = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
-    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-
-
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """All allocations of this package (tests swap in a NaN-filled version)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def combine_splits(part_o, part_lse, out3d: torch.Tensor) -> None:
-    """Merge [S, N, H, D] partials into out3d [N, H, D] (last dim contiguous)."""
-    num_splits, num_tokens, num_heads, head_dim = part_o.shape
-    _combine_kernel[(num_tokens, num_heads)](
-        part_o, part_lse, out3d, out3d.stride(0), out3d.stride(1), num_tokens,
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if head_dim * num_splits <= 512 else 2,
-    )
+    d_ok = offs_d[None, :] < HEAD_DIM
+    r = tl.load(token_to_req_ptr + tok)
+    is_real = r < num_reqs
+    seq_len = tl.load(seq_lens_ptr + r, mask=is_real, other=0)
+    pos = tl.load(positions_ptr + tok, mask=is_real, other=0).to(tl.int32)
+    visible = tl.maximum(tl.minimum(seq_len, pos + 1), 0)
+    o_run = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
+    w_run = tl.zeros([1], dtype=tl.float32)
+    for seg in range(0, tl.minimum(tl.cdiv(visible, SPLIT_LEN), num_segments)):
+        row = (seg * num_tokens + tok) * NUM_HEADS + head
+        lse = tl.load(part_lse_ptr + row + tl.zeros([1], dtype=tl.int64))
+        o = tl.load(part_o_ptr + row * HEAD_DIM + offs_d[None, :], mask=d_ok, other=0.0)
+        o_run, m_run, w_run = _fold_segment(o_run, m_run, w_run, o, lse)
+    o = o_run / tl.where(w_run > 0.0, w_run, 1.0)[:, None]
+    ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_attention(
@@ -275,9 +221,9 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
-    num_splits: int | None = None,  # None: heuristic (the short launch never splits)
+    num_splits: int | None = None,  # None: heuristic
     max_splits: int = 16,
-    min_chunk: int = 128,
+    split_len: int = SPLIT_LEN,  # keys a segment (a multiple of every launch's BLOCK_N)
     short_query_len: int = 0,  # the engine's decode / verify query length (0: one launch)
     block_q: int | None = None,  # test overrides of the launch config (one launch)
     block_n: int | None = None,
@@ -301,18 +247,35 @@ def paged_attention(
         plan = (Launch(bq, bn, warps, 0, 0),)
     else:
         plan = launch_plan(group_pad, md.max_query_len, head_dim, q.is_cuda, short_query_len)
+    assert all(split_len % launch.block_n == 0 for launch in plan), (split_len, plan)
+    num_segments = triton.cdiv(max(md.max_seq_len, 1), split_len)
+    if num_splits is None:  # one count for the step's launches (they share the fold)
+        q_tiles = triton.cdiv(max(1, md.max_query_len), plan[0].block_q)
+        busy = md.num_reqs * num_kv_heads * q_tiles
+        num_splits = pick_num_splits(q.device, busy, num_segments, max_splits)
+        if num_tokens * num_segments * num_heads * head_dim * 4 > PARTIALS_MAX_BYTES:
+            num_splits = 1  # (a row's bits are the same either way)
+    parts = None
+    if num_splits > 1:
+        shape = (num_segments, num_tokens, num_heads)
+        parts = _empty((*shape, head_dim), torch.float32, q.device), _empty(
+            shape, torch.float32, q.device)  # fmt: skip
     for launch in plan:
-        splits = 1 if launch.pass_ == 1 else num_splits
-        if splits is None:
-            q_tiles = triton.cdiv(max(1, md.max_query_len), launch.block_q)
-            busy = md.num_reqs * num_kv_heads * q_tiles
-            splits = pick_num_splits(q.device, busy, md.max_seq_len, max_splits, min_chunk)
-        _launch(q, k_cache, v_cache, md, scale, out, launch, splits, group_pad)
+        _launch(q, k_cache, v_cache, md, scale, out, launch, num_splits, group_pad,
+                split_len, num_segments, parts)  # fmt: skip
+    if parts is not None:
+        _fold_partials_kernel[(num_tokens, num_heads)](
+            *parts, out, out.stride(0), out.stride(1),
+            md.token_to_req, md.seq_lens, md.positions, md.num_reqs, num_tokens, num_segments,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            SPLIT_LEN=split_len, num_warps=1 if head_dim <= 128 else 2,
+        )  # fmt: skip
     return out
 
 
 def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch.Tensor,
-            launch: Launch, num_splits: int, group_pad: int) -> None:  # fmt: skip
+            launch: Launch, num_splits: int, group_pad: int, split_len: int,
+            num_segments: int, parts) -> None:  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -320,15 +283,11 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
     # the short launch: one program per request (the long one writes the padding tail)
     num_q_progs = md.num_reqs if launch.pass_ == 1 else num_tokens // bq + md.num_reqs + 1
     stages = num_stages(q.is_cuda, bq * group_pad, num_splits)
-    if num_splits > 1:
-        part_o = _empty((num_splits, num_tokens, num_heads, head_dim), torch.float32, q.device)
-        part_lse = _empty((num_splits, num_tokens, num_heads), torch.float32, q.device)
-    else:
-        part_o = part_lse = out  # unused
+    part_o, part_lse = parts if parts is not None else (out, out)  # (unused without splits)
     _paged_attention_kernel[(num_q_progs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         md.query_start_loc, md.seq_lens, md.positions, md.block_tables,
-        md.num_reqs, num_tokens, scale * LOG2E,
+        md.num_reqs, num_tokens, num_segments, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -337,9 +296,7 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
         BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=launch.block_n,
         # tl.dot needs a reduction dim >= 16: small heads are padded (masked) to 16
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
         PASS=launch.pass_, SHORT_MAX=launch.short_max,
         num_warps=launch.warps, num_stages=stages,
     )  # fmt: skip
-    if num_splits > 1:
-        combine_splits(part_o, part_lse, out)

@@ -24,16 +24,16 @@ def launch_variants(group_pad: int, head_dim: int, max_splits: int,
     longest = 64 // group_pad + 1  # past 64 rows every length is "prefill"
     for qlen in range(longest if prefill_only else 1, longest + 1):
         for launch in lc.launch_plan(group_pad, qlen, head_dim, True, short_query_len):
-            for splits in [1] if launch.pass_ == 1 else lc.split_counts(max_splits):
+            for splits in lc.split_counts(max_splits):
                 stages = lc.num_stages(True, launch.block_q * group_pad, splits)
                 variants.setdefault((*launch, splits, stages), (qlen, splits))
     return variants
 
 
 def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_splits: int,
-           min_chunk: int, short_query_len: int = 0,
+           split_len: int, short_query_len: int = 0,
            prefill_only: bool = False) -> int:  # fmt: skip
-    """Compile every launch variant of the attention and combine kernels now, on a one-row
+    """Compile every launch variant of the attention and fold kernels now, on a one-row
     batch attending to block 0 (outputs discarded), so no request meets a compile. Returns the
     number of variants."""
     _, page, num_kv_heads, head_dim = k_cache.shape
@@ -41,7 +41,7 @@ def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_spl
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     variants = launch_variants(group_pad, head_dim, max_splits, short_query_len, prefill_only)
     for qlen, splits in sorted(set(variants.values())):
-        ctx = max(qlen, splits * min_chunk)
+        ctx = max(qlen, splits * split_len)
         md = AttentionMetadata(
             query_start_loc=torch.tensor([0, qlen], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev),
@@ -53,5 +53,5 @@ def warmup(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_spl
         )  # fmt: skip
         q = torch.randn(qlen, num_heads, head_dim, device=dev).to(dtype)
         pa.paged_attention(q, k_cache, v_cache, md, 1.0, num_splits=splits,
-                           short_query_len=short_query_len)  # fmt: skip
+                           split_len=split_len, short_query_len=short_query_len)  # fmt: skip
     return len(variants)
