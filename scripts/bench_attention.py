@@ -31,6 +31,7 @@ from dspark.attention.triton import paged_attention as pa  # noqa: E402
 
 PAGE = 16
 INNER = 16  # launches per captured graph
+SPLIT_LEN = launch_config.SPLIT_LEN  # the paged kernel's key segment (--split-len)
 MIN_FOOTPRINT = 512 << 20  # rotate over enough sets to overflow L2 (50 MB on H200)
 
 
@@ -87,6 +88,11 @@ def make_sets(num_sets, num_reqs, q_len, ctx, num_kv, head_dim):
     return k_cache, v_cache, mds
 
 
+def attend(*args, **kwargs):
+    """The paged attention with this run's key segment."""
+    return pa.paged_attention(*args, split_len=SPLIT_LEN, **kwargs)
+
+
 def bench_decode(batch, ctx, q_len, args, splits=None):
     kv_bytes = batch * ctx * args.kv_heads * args.head_dim * 2 * 2
     num_sets = max(1, min(8, triton.cdiv(MIN_FOOTPRINT, kv_bytes)))
@@ -95,13 +101,13 @@ def bench_decode(batch, ctx, q_len, args, splits=None):
     out = torch.empty_like(q)
     scale = args.head_dim**-0.5
     calls = [
-        lambda md=md: pa.paged_attention(q, k_cache, v_cache, md, scale, out=out,
+        lambda md=md: attend(q, k_cache, v_cache, md, scale, out=out,
                                          num_splits=splits)
         for md in mds
     ]
     ms = graph_time_ms(calls)
     num_q_progs = batch * args.kv_heads  # what the split heuristic sees
-    segments = triton.cdiv(ctx, launch_config.SPLIT_LEN)
+    segments = triton.cdiv(ctx, SPLIT_LEN)
     used = splits or launch_config.pick_num_splits(q.device, num_q_progs, segments, 16)
     return ms, kv_bytes + 2 * q.numel() * q.element_size(), used
 
@@ -128,7 +134,7 @@ def bench_prefill(num_tokens, args):
     md = mds[0]
     q = torch.randn(num_tokens, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    ms = graph_time_ms([lambda: pa.paged_attention(q, k_cache, v_cache, md,
+    ms = graph_time_ms([lambda: attend(q, k_cache, v_cache, md,
                                                    args.head_dim**-0.5, out=out)])
     pairs = num_tokens * (num_tokens + 1) / 2
     return ms, 4 * args.heads * args.head_dim * pairs
@@ -170,7 +176,7 @@ def bench_mixed(rows, args, short_query_len):
     num_tokens = int(md.query_start_loc[-1])
     q = torch.randn(num_tokens, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    return graph_time_ms([lambda: pa.paged_attention(
+    return graph_time_ms([lambda: attend(
         q, k_cache, v_cache, md, args.head_dim**-0.5, out=out, short_query_len=short_query_len)])
 
 
@@ -208,7 +214,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--mixed-only", action="store_true",
                         help="only the steps with prefill chunks (one launch against two)")
+    parser.add_argument("--split-len", type=int, default=SPLIT_LEN,
+                        help="the paged kernel's key segment (a multiple of 64)")
     args = parser.parse_args()
+    global SPLIT_LEN
+    SPLIT_LEN = args.split_len
     assert torch.cuda.is_available(), "needs a CUDA device"
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
@@ -240,7 +250,8 @@ def main() -> None:
     rows.append(f"prefill T=4096 causal                  {ms * 1e3:8.1f} us "
                 f"{fl / (ms * 1e-3) / 1e12:7.1f} TFLOP/s {fl / (ms * 1e-3) / flops:6.1%}")
     print(f"\n{name} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE}")
+          f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE} "
+          f"key segment {SPLIT_LEN}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} "
           f"TFLOP/s; decode bytes = KV read once; times per launch inside a CUDA graph")
     print("\n".join(rows))
