@@ -214,6 +214,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--mixed-only", action="store_true",
                         help="only the steps with prefill chunks (one launch against two)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only decode / verify rows (heuristic splits and none) and prefill")
     parser.add_argument("--split-len", type=int, default=SPLIT_LEN,
                         help="the paged kernel's key segment (a multiple of 64)")
     args = parser.parse_args()
@@ -223,7 +225,7 @@ def main() -> None:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     bw, flops = copy_bandwidth(), matmul_rate()
-    rows = mixed_rows(args)
+    rows = [] if args.decode_only else mixed_rows(args)
     if args.mixed_only:
         print("\n".join(rows))
         return
@@ -236,12 +238,13 @@ def main() -> None:
                 # the heuristic's split count against the others, where it splits at all
                 others = "".join(
                     f"; {s} splits: {bench_decode(batch, ctx, q_len, args, splits=s)[0] * 1e3:.1f}"
-                    for s in (2, 4, 8, 16) if splits > 1 and s != splits)  # fmt: skip
+                    for s in (2, 4, 8, 16)
+                    if splits > 1 and s != splits and not args.decode_only)  # fmt: skip
                 rows.append(f"decode  B={batch:<4d}ctx={ctx:<5d}q={q_len}  splits={splits:<3d}"
                             f"{ms * 1e3:8.1f} us {gbs:7.0f} GB/s {gbs * 1e9 / bw:6.1%}"
                             f"   (1 split: {ms1 * 1e3:7.1f} us{others})")
                 torch.cuda.empty_cache()
-    for batch in (1, 64):
+    for batch in () if args.decode_only else (1, 64):
         ms, nbytes = bench_draft(batch, 2048, 16, args)
         gbs = nbytes / (ms * 1e-3) / 1e9
         rows.append(f"draft   B={batch:<4d}ctx=2048 G=16            "
