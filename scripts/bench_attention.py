@@ -216,7 +216,7 @@ def main() -> None:
                         help="only the steps with prefill chunks (one launch against two)")
     parser.add_argument("--decode-only", action="store_true",
                         help="only decode / verify rows (heuristic splits and none) and prefill")
-    parser.add_argument("--split-len", type=int, default=SPLIT_LEN,
+    parser.add_argument("--split-len", type=int, default=launch_config.SPLIT_LEN,
                         help="the paged kernel's key segment (a multiple of 64)")
     args = parser.parse_args()
     global SPLIT_LEN
