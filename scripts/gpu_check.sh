@@ -26,6 +26,8 @@
 #           lease saying warm): train and serve in one call (STAGES=train,e2e)
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   e2e_nosplit  the same run with DSPARK_ATTENTION_SPLITS=0 (NOSPLIT_DEADLINE)  -> $OUT/e2e_nosplit*
+#           (the .tgz holds its log: e2e, e2e_nosplit, train and the clock log pass $OUT's
+#           8-file cap; tar the small ones after the script, as the forty-eighth session did)
 #   demo_e2e  the same sweep on the bundled demo pair (c = 1, 4, 16, 64, 256), served
 #           interleaved, 3 rounds, T = 0 by default (the machine's host speed drifts 2x:
 #           sequential arms of this host-bound pair are not comparable; twenty-fifth session;
@@ -83,10 +85,12 @@
 # --offline-turn-steps 32 --temperatures 0,1": no servers, the three arms' engines in one process
 # in turns, all 14 cells in ~100 s after ~50 s of start-up (forty-sixth session, H100; no TPOT).
 # With the offline sweep at T = 0, every prompt's tokens are compared with no-spec's (the
-# forty-seventh session: 68 of 4,096 parted, at C = 4-32 only); DSPARK_ATTENTION_SPLITS=0 in
-# the call's environment runs every engine without flash-decoding splits (the suspect);
-# STAGES=train,e2e,e2e_nosplit runs the e2e command twice in one call, with splits and
-# without (E2E_DEADLINE / NOSPLIT_DEADLINE end each), e.g. with E2E_ARGS="--num-prompts 32
+# forty-seventh session: 68 of 4,096 parted, at C = 4-32 only, from flash-decoding splits
+# that followed the step; since the fixed key segments of the forty-eighth, 512 of 512 were
+# identical); DSPARK_ATTENTION_SPLITS=0 in the call's environment runs every engine without
+# splits (the same bits, another speed); STAGES=train,e2e,e2e_nosplit runs the e2e command
+# twice in one call, with splits and without (E2E_DEADLINE / NOSPLIT_DEADLINE end each; the
+# forty-eighth session's call 1, H200, ~570 s), e.g. with E2E_ARGS="--num-prompts 32
 # --prompts-per-concurrency 4 --warmup 8 --interleave --rounds 1 --engine-cpus 1
 # --num-kv-blocks 16384 --temperatures 0 --identity-prompts 0 --arms nospec,fixed,adaptive
 # --offline-only --offline-sweep 1,4,16,32,64 --offline-turn-steps 32".
@@ -231,9 +235,9 @@ if has e2e; then
   e2e_pair_run e2e "$OUT/e2e.log"
 fi
 if has e2e_nosplit; then
-  # the e2e stage's run again with DSPARK_ATTENTION_SPLITS=0 (no flash-decoding splits: the
-  # suspect of the T = 0 partings at C = 4-32, forty-seventh session); NOSPLIT_DEADLINE is
-  # its E2E_DEADLINE. Its log goes into its .tgz ($OUT's 8-file cap)
+  # the e2e stage's run again with DSPARK_ATTENTION_SPLITS=0 (no flash-decoding splits: what
+  # splits cost or save end to end; they no longer change a token); NOSPLIT_DEADLINE is its
+  # E2E_DEADLINE. Its log goes into its .tgz ($OUT's 8-file cap)
   DSPARK_ATTENTION_SPLITS=0 e2e_pair_run e2e_nosplit /tmp/e2e_nosplit/e2e_nosplit.log \
     "${NOSPLIT_DEADLINE:-}"
 fi
