@@ -11,6 +11,9 @@ disjoint cache/table sets (so small cases do not run from L2), timed with
 KV bytes that must be read (decode) or TFLOP/s (prefill), and as a ratio to the ceilings.
 
     python scripts/bench_attention.py [--heads 32 --kv-heads 8 --head-dim 128]
+        [--decode-only] [--split-len 256] [--decode-warps 8] [--decode-stages 3]
+
+The last lines list the paged kernel's compiled variants with their registers and spills.
 """
 
 from __future__ import annotations
@@ -207,6 +210,39 @@ def mixed_rows(args) -> list[str]:
     return out
 
 
+def override_decode_tile(warps: int, stages: int) -> None:
+    """Launch options of the decode / verify tile other than the engine's (an experiment:
+    the engine's own choice lives in launch_config)."""
+    if warps:
+        engine_config = launch_config._launch_config
+
+        def config(group_pad, max_query_len, head_dim, on_gpu):
+            bq, bn, w = engine_config(group_pad, max_query_len, head_dim, on_gpu)
+            return bq, bn, warps if bq * group_pad <= 64 else w
+
+        launch_config._launch_config = config
+        launch_config.launch_plan.cache_clear()
+    if stages:
+        engine_stages = pa.num_stages
+        pa.num_stages = lambda on_gpu, rows, splits: stages if rows <= 64 else engine_stages(
+            on_gpu, rows, splits)  # fmt: skip
+
+
+def kernel_resources(kernel) -> list[str]:
+    """Registers and spills of every compiled variant of a Triton kernel (Triton 3.x keeps
+    one cache per device), with its launch options: where a variant runs short of registers."""
+    rows = []
+    for entry in getattr(kernel, "device_caches", {}).values():
+        for key, compiled in entry[0].items():
+            md = compiled.metadata
+            consts = {k: v for k, v in getattr(getattr(compiled, "src", None), "constants",
+                                               {}).items() if isinstance(v, (int, str))}
+            rows.append(f"{compiled.name}: regs {getattr(compiled, 'n_regs', '?')} spills "
+                        f"{getattr(compiled, 'n_spills', '?')} warps {md.num_warps} stages "
+                        f"{md.num_stages} shared {md.shared} | {consts or str(key)[:160]}")
+    return sorted(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--heads", type=int, default=32)
@@ -216,11 +252,16 @@ def main() -> None:
                         help="only the steps with prefill chunks (one launch against two)")
     parser.add_argument("--decode-only", action="store_true",
                         help="only decode / verify rows (heuristic splits and none) and prefill")
+    parser.add_argument("--decode-warps", type=int, default=0,
+                        help="warps of the decode / verify tile (<= 64 rows; 0: the engine's)")
+    parser.add_argument("--decode-stages", type=int, default=0,
+                        help="pipelining depth of that tile (0: the engine's)")
     parser.add_argument("--split-len", type=int, default=launch_config.SPLIT_LEN,
                         help="the paged kernel's key segment (a multiple of 64)")
     args = parser.parse_args()
     global SPLIT_LEN
     SPLIT_LEN = args.split_len
+    override_decode_tile(args.decode_warps, args.decode_stages)
     assert torch.cuda.is_available(), "needs a CUDA device"
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
@@ -254,10 +295,15 @@ def main() -> None:
                 f"{fl / (ms * 1e-3) / 1e12:7.1f} TFLOP/s {fl / (ms * 1e-3) / flops:6.1%}")
     print(f"\n{name} | torch {torch.__version__} | triton {triton.__version__} | "
           f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE} "
-          f"key segment {SPLIT_LEN}")
+          f"key segment {SPLIT_LEN}, decode tile warps / stages "
+          f"{args.decode_warps or 'engine'} / {args.decode_stages or 'engine'}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} "
           f"TFLOP/s; decode bytes = KV read once; times per launch inside a CUDA graph")
     print("\n".join(rows))
+    try:  # (Triton's cache layout is not an API: a diagnostic, never the run's failure)
+        print("\n".join(kernel_resources(pa._paged_attention_kernel)))
+    except (AttributeError, TypeError, IndexError) as err:
+        print(f"kernel resources unavailable: {err!r}")
 
 
 if __name__ == "__main__":
