@@ -192,6 +192,29 @@ def test_forward_split_kv(num_splits):
     assert torch.equal(out, again)  # split or not: the same bits
 
 
+def test_a_step_splits_while_its_partials_fit_and_the_bits_never_change(monkeypatch):
+    """The heuristic splits few programs over long contexts (an H200's SM count patched in);
+    a loose CPU bound (many segments: the graphs' max_model_len) that would make the partials
+    outgrow PARTIALS_MAX_BYTES keeps the step unsplit. Either way, the same output bits."""
+    monkeypatch.setattr(launch_config, "num_sms", lambda device: 132)
+    monkeypatch.setattr(pa, "PARTIALS_MAX_BYTES", 4 * 4 * 16 * 4 * 64)  # 64 segments of 4 tokens
+    splits, real = [], pa._launch
+
+    def spy(*args):
+        splits.append(args[7])  # (q, k, v, md, scale, out, launch, num_splits, ...)
+        return real(*args)
+
+    monkeypatch.setattr(pa, "_launch", spy)
+    outs = []
+    for slack in (0, 64 * SMALL_SPLIT):
+        gen = torch.Generator().manual_seed(5)
+        out, _ = run_forward(gen, [1, 2, 1], [70, 33, 5], 4, 4, 2, 16, torch.float32,
+                             num_pad=0, slack=(0, slack), split_len=SMALL_SPLIT)  # fmt: skip
+        outs.append(out)
+    assert splits[0] > 1 and splits[-1] == 1, splits
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_forward_prefill_many_blocks_bf16():
     """Query rows spanning several q blocks, loose CPU bounds, non-power-of-2 group."""
     gen = torch.Generator().manual_seed(3)
