@@ -11,7 +11,7 @@ disjoint cache/table sets (so small cases do not run from L2), timed with
 KV bytes that must be read (decode) or TFLOP/s (prefill), and as a ratio to the ceilings.
 
     python scripts/bench_attention.py [--heads 32 --kv-heads 8 --head-dim 128]
-        [--decode-only] [--split-len 256] [--decode-warps 8] [--decode-stages 3]
+        [--decode-only] [--split-len 256] [--decode-warps 8] [--decode-stages 3] [--partials]
 
 The last lines list the paged kernel's compiled variants with their registers and spills.
 """
@@ -91,9 +91,12 @@ def make_sets(num_sets, num_reqs, q_len, ctx, num_kv, head_dim):
     return k_cache, v_cache, mds
 
 
+PARTIALS = None  # --partials: per-segment partials and the fold kernel, split or not
+
+
 def attend(*args, **kwargs):
     """The paged attention with this run's key segment."""
-    return pa.paged_attention(*args, split_len=SPLIT_LEN, **kwargs)
+    return pa.paged_attention(*args, split_len=SPLIT_LEN, partials=PARTIALS, **kwargs)
 
 
 def bench_decode(batch, ctx, q_len, args, splits=None):
@@ -256,11 +259,13 @@ def main() -> None:
                         help="warps of the decode / verify tile (<= 64 rows; 0: the engine's)")
     parser.add_argument("--decode-stages", type=int, default=0,
                         help="pipelining depth of that tile (0: the engine's)")
+    parser.add_argument("--partials", action="store_true",
+                        help="unsplit rows too write per-segment partials, folded after")
     parser.add_argument("--split-len", type=int, default=launch_config.SPLIT_LEN,
                         help="the paged kernel's key segment (a multiple of 64)")
     args = parser.parse_args()
-    global SPLIT_LEN
-    SPLIT_LEN = args.split_len
+    global SPLIT_LEN, PARTIALS
+    SPLIT_LEN, PARTIALS = args.split_len, args.partials or None
     override_decode_tile(args.decode_warps, args.decode_stages)
     assert torch.cuda.is_available(), "needs a CUDA device"
     torch.manual_seed(0)
@@ -296,7 +301,8 @@ def main() -> None:
     print(f"\n{name} | torch {torch.__version__} | triton {triton.__version__} | "
           f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE} "
           f"key segment {SPLIT_LEN}, decode tile warps / stages "
-          f"{args.decode_warps or 'engine'} / {args.decode_stages or 'engine'}")
+          f"{args.decode_warps or 'engine'} / {args.decode_stages or 'engine'}"
+          f"{', partials unsplit too' if args.partials else ''}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} "
           f"TFLOP/s; decode bytes = KV read once; times per launch inside a CUDA graph")
     print("\n".join(rows))

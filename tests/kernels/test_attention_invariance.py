@@ -76,12 +76,13 @@ def _row_in_every_step(backend, dtype, heads, kv_heads, head_dim, position) -> d
     """The row's output in each kind of step (and split count) it can ride in."""
     k_cache, v_cache, tables, q_row, others = _case(dtype, heads, kv_heads, head_dim, position)
 
-    def attend(rows, q, splits=None):
+    def attend(rows, q, splits=None, partials=None):
         md = _metadata(rows, tables)
         if splits is None:
             return backend.attend(q, k_cache, v_cache, md, head_dim**-0.5)
         return pa.paged_attention(q, k_cache, v_cache, md, head_dim**-0.5, num_splits=splits,
-                                  split_len=backend.split_len, short_query_len=VERIFY)
+                                  partials=partials, split_len=backend.split_len,
+                                  short_query_len=VERIFY)  # fmt: skip
 
     md = _metadata([(1, 0, PREFILL), (0, position, 1)], tables)
     group_pad = 1 << (heads // kv_heads - 1).bit_length()
@@ -93,6 +94,8 @@ def _row_in_every_step(backend, dtype, heads, kv_heads, head_dim, position) -> d
     got = {"alone": attend([(0, position, 1)], q_row),
            "verify": attend([(0, position, VERIFY)], verify_q)[:1],
            "beside a prefill": attend([(1, 0, PREFILL), (0, position, 1)], beside_q)[PREFILL:]}
+    got["verify, unsplit partials folded after"] = attend(
+        [(0, position, VERIFY)], verify_q, 1, partials=True)[:1]  # fmt: skip
     for splits in (1, 2, 3, 8):
         got[f"alone, {splits} splits"] = attend([(0, position, 1)], q_row, splits)
         got[f"verify, {splits} splits"] = attend([(0, position, VERIFY)], verify_q, splits)[:1]

@@ -190,6 +190,10 @@ def test_forward_split_kv(num_splits):
                            1, 32, torch.float32, num_pad=2, num_splits=1,
                            split_len=SMALL_SPLIT)  # fmt: skip
     assert torch.equal(out, again)  # split or not: the same bits
+    folded, _ = run_forward(torch.Generator().manual_seed(7 + num_splits), q_lens, prefix, 4,
+                            4, 1, 32, torch.float32, num_pad=2, num_splits=1, partials=True,
+                            split_len=SMALL_SPLIT)  # fmt: skip
+    assert torch.equal(out, folded)  # unsplit rows' partials, folded after: the same bits
 
 
 def test_a_step_splits_while_its_partials_fit_and_the_bits_never_change(monkeypatch):

@@ -94,7 +94,8 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, PARTIALS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     PASS: tl.constexpr, SHORT_MAX: tl.constexpr,  # PASS 0: every request; 1: short; 2: long
 ):
     pid = tl.program_id(0)
@@ -142,7 +143,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NUM_SPLITS == 1:  # every segment here, folded at its last tile (one pipelined loop)
+    if not PARTIALS:  # every segment here, folded at its last tile (one pipelined loop)
         o_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         w_run = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -222,6 +223,8 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
     num_splits: int | None = None,  # None: heuristic
+    partials: bool | None = None,  # True: partials and the fold kernel even unsplit (else: if
+    # split) -- the same bits, without the kernel's second accumulator (an option to measure)
     max_splits: int = 16,
     split_len: int = SPLIT_LEN,  # keys a segment (a multiple of every launch's BLOCK_N)
     short_query_len: int = 0,  # the engine's decode / verify query length (0: one launch)
@@ -256,7 +259,7 @@ def paged_attention(
         if num_tokens * num_segments * num_heads * head_dim * 4 > PARTIALS_MAX_BYTES:
             num_splits = 1  # (a row's bits are the same either way)
     parts = None
-    if num_splits > 1:
+    if num_splits > 1 or partials:  # (partials without splits: an experiment's option)
         shape = (num_segments, num_tokens, num_heads)
         parts = _empty((*shape, head_dim), torch.float32, q.device), _empty(
             shape, torch.float32, q.device)  # fmt: skip
@@ -296,7 +299,8 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
         BLOCK_Q=bq, BLOCK_M=bq * group_pad, BLOCK_N=launch.block_n,
         # tl.dot needs a reduction dim >= 16: small heads are padded (masked) to 16
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
-        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        SPLIT_LEN=split_len, NUM_SPLITS=num_splits, PARTIALS=parts is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
         PASS=launch.pass_, SHORT_MAX=launch.short_max,
         num_warps=launch.warps, num_stages=stages,
     )  # fmt: skip
