@@ -186,10 +186,19 @@ class TPWorld:
     # -- lifetime ------------------------------------------------------------------------------
     @contextmanager
     def step_guard(self):
-        """Rank 0: one step at a time; a step that raises leaves the workers unusable."""
+        """Rank 0: one step at a time; a step that raises leaves the workers unusable. A
+        worker found dead fails the step before its first collective: gloo does not always
+        see a killed peer, and a broadcast to it then waits for the group's timeout (10
+        minutes by default; seen once in the CPU suite, forty-eighth session)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("the tensor-parallel workers have been shut down")
+            dead = [p for p in self.procs if not p.is_alive()]  # (a waitpid each: ~µs)
+            if dead:
+                self.healthy = False
+                detail = self.worker_errors()
+                raise RuntimeError(f"tensor-parallel worker {dead[0].name} exited with code "
+                                   f"{dead[0].exitcode}" + (f"\n{detail}" if detail else ""))
             try:
                 yield
             except BaseException:
