@@ -22,6 +22,7 @@ from dspark.attention.triton.flash_common import (
     _attend_paged,
     _empty,
     _mma,
+    _softmax_start,
     _softmax_step,
     _store_result,
     combine_splits,
@@ -70,9 +71,7 @@ def _draft_attention_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, ctx_len)
 
-    acc = tl.zeros([BLOCK_G * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_G * GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G * GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _softmax_start(BLOCK_G * GROUP_PAD, BLOCK_D)
     acc, m_i, l_i = _attend_paged(
         acc, m_i, l_i, q, row_gi, lo, hi,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + r64 * stride_bt, kvh,

@@ -30,6 +30,21 @@ def _mma(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A fresh online softmax over BLOCK_M rows: (acc, m_i, l_i) before any key."""
+    return (tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+            tl.full([BLOCK_M], -1.0e30, dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32))
+
+
+@triton.jit
+def _fold_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An empty segment fold (`_fold_segment`): (acc, m_run, w_run) before any segment."""
+    return (tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
+            tl.full([BLOCK_M], float("-inf"), dtype=tl.float32),
+            tl.zeros([BLOCK_M], dtype=tl.float32))
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
     """One online-softmax update: s [M, N] scores in log2 units (-inf = masked), v [N, D]."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -51,7 +51,9 @@ from dspark.attention.triton.flash_common import (
     _attend_tile,
     _empty,
     _fold_segment,
+    _fold_start,
     _segment_result,
+    _softmax_start,
     dot_precision,
 )
 from dspark.attention.triton.launch_config import (
@@ -140,13 +142,9 @@ def _paged_attention_kernel(
     kv_hi = tl.minimum(kv_hi, num_segments * SPLIT_LEN)
     bt_ptr = block_tables_ptr + r.to(tl.int64) * stride_bt
     out_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if not PARTIALS:  # every segment here, folded at its last tile (one pipelined loop)
-        o_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        w_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc, m_i, l_i = _softmax_start(BLOCK_M, BLOCK_D)
+        o_run, m_run, w_run = _fold_start(BLOCK_M, BLOCK_D)
         for start in range(0, kv_hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, qpos, start, kv_hi, k_cache_ptr, v_cache_ptr, bt_ptr, kvh,
@@ -157,23 +155,20 @@ def _paged_attention_kernel(
             if ((start + BLOCK_N) % SPLIT_LEN == 0) | (start + BLOCK_N >= kv_hi):
                 o, lse = _segment_result(acc, m_i, l_i)
                 o_run, m_run, w_run = _fold_segment(o_run, m_run, w_run, o, lse)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc, m_i, l_i = _softmax_start(BLOCK_M, BLOCK_D)
         o = o_run / tl.where(w_run > 0.0, w_run, 1.0)[:, None]  # (no key at all: zeros)
         ptrs = out_ptr + (row_tok.to(tl.int64) * stride_ot + row_head * stride_oh)[:, None]
         tl.store(ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # segments split, split + NUM_SPLITS, ...: each one's partial to its own slot
         for seg in range(split, tl.cdiv(kv_hi, SPLIT_LEN), NUM_SPLITS):
             lo = seg * SPLIT_LEN
+            acc, m_i, l_i = _softmax_start(BLOCK_M, BLOCK_D)
             acc, m_i, l_i = _attend_paged(
-                tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
-                tl.full([BLOCK_M], -1.0e30, dtype=tl.float32),
-                tl.zeros([BLOCK_M], dtype=tl.float32),
-                q, qpos, lo, tl.minimum(lo + SPLIT_LEN, kv_hi), k_cache_ptr, v_cache_ptr,
-                bt_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                sm_scale_log2, CAUSAL=True, PAGE=PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
-                BLOCK_D=BLOCK_D, DOT_PRECISION=DOT_PRECISION,
+                acc, m_i, l_i, q, qpos, lo, tl.minimum(lo + SPLIT_LEN, kv_hi), k_cache_ptr,
+                v_cache_ptr, bt_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, sm_scale_log2, CAUSAL=True, PAGE=PAGE,
+                HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                DOT_PRECISION=DOT_PRECISION,
             )
             o, lse = _segment_result(acc, m_i, l_i)
             row = (seg * num_tokens + row_tok.to(tl.int64)) * NUM_HEADS + row_head  # [S, T, H]
@@ -202,9 +197,7 @@ def _fold_partials_kernel(
     seq_len = tl.load(seq_lens_ptr + r, mask=is_real, other=0)
     pos = tl.load(positions_ptr + tok, mask=is_real, other=0).to(tl.int32)
     visible = tl.maximum(tl.minimum(seq_len, pos + 1), 0)
-    o_run = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-    m_run = tl.full([1], float("-inf"), dtype=tl.float32)
-    w_run = tl.zeros([1], dtype=tl.float32)
+    o_run, m_run, w_run = _fold_start(1, BLOCK_D)
     for seg in range(0, tl.minimum(tl.cdiv(visible, SPLIT_LEN), num_segments)):
         row = (seg * num_tokens + tok) * NUM_HEADS + head
         lse = tl.load(part_lse_ptr + row + tl.zeros([1], dtype=tl.int64))
