@@ -217,13 +217,7 @@ def override_decode_tile(warps: int, stages: int) -> None:
     """Launch options of the decode / verify tile other than the engine's (an experiment:
     the engine's own choice lives in launch_config)."""
     if warps:
-        engine_config = launch_config._launch_config
-
-        def config(group_pad, max_query_len, head_dim, on_gpu):
-            bq, bn, w = engine_config(group_pad, max_query_len, head_dim, on_gpu)
-            return bq, bn, warps if bq * group_pad <= 64 else w
-
-        launch_config._launch_config = config
+        launch_config.DECODE_WARPS = warps
         launch_config.launch_plan.cache_clear()
     if stages:
         engine_stages = pa.num_stages

@@ -127,6 +127,26 @@ def test_a_rows_attention_is_the_same_bits_in_every_step_it_can_ride_in(
     assert not differ, differ
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter has no warps")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,position,split_len", SHAPES[:1])
+def test_a_rows_bits_do_not_follow_the_decode_tiles_warps(
+        monkeypatch, heads, kv_heads, head_dim, position, split_len):  # fmt: skip
+    """Were they equal, the decode tile's warps could follow the grid (8 where one wave of
+    programs leaves the chip half idle, 4 where many waves run) without parting a row's bits
+    between batch sizes. bf16, the 8B shape's heads."""
+    backend = select_backend("triton", torch.device(DEVICE))
+    backend.split_len = split_len
+    by_warps = {}
+    for warps in (4, 8):
+        monkeypatch.setattr(launch_config, "DECODE_WARPS", warps)
+        launch_config.launch_plan.cache_clear()
+        by_warps[warps] = _row_in_every_step(backend, torch.bfloat16, heads, kv_heads,
+                                             head_dim, position, (1, 2))  # fmt: skip
+    launch_config.launch_plan.cache_clear()
+    differ = [step for step, out in by_warps[4].items() if not torch.equal(out, by_warps[8][step])]
+    assert not differ, differ
+
+
 def test_the_check_sees_a_change_of_summation_order():
     """The bits above are equal because the order is the same, not because the check is
     blind: segments of another width (another order of the same sums) change them."""

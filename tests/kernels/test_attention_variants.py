@@ -55,7 +55,8 @@ def test_warmup_runs_every_variant(short_query_len):
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)  # [blocks, page, Hkv, D]
     v_cache = torch.randn(6, 16, 2, 16, generator=gen).to(dev)
-    backend = TritonAttentionBackend(max_splits=4, split_len=16)
+    # segments: a multiple of BLOCK_N (16 interpreted, 64 compiled; 16 failed on an H100)
+    backend = TritonAttentionBackend(max_splits=4, split_len=16 if dev == "cpu" else 64)
     backend.short_query_len = short_query_len
     calls = []
     real = pa.paged_attention

@@ -52,6 +52,9 @@ def split_counts(max_splits: int) -> list[int]:
     return [1 << i for i in range(max(1, max_splits).bit_length())]
 
 
+DECODE_WARPS = 4  # warps of the decode / verify tile (<= 64 rows)
+
+
 def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool):
     """(BLOCK_Q, BLOCK_N, num_warps) from CPU-side numbers only."""
     rows = max(1, max_query_len) * group_pad
@@ -60,7 +63,7 @@ def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bo
         return max(1, block_m // group_pad), 16, 1
     block_n = 64 if head_dim <= 128 else 32
     if rows <= 64:  # decode / verify rows: memory bound, all of a row's tokens in one tile
-        block_m, warps = max(16, triton.next_power_of_2(rows)), 4
+        block_m, warps = max(16, triton.next_power_of_2(rows)), DECODE_WARPS
     else:  # prefill
         block_m, warps = 128, 8
     block_m = max(block_m, group_pad)
