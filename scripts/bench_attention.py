@@ -11,7 +11,8 @@ disjoint cache/table sets (so small cases do not run from L2), timed with
 KV bytes that must be read (decode) or TFLOP/s (prefill), and as a ratio to the ceilings.
 
     python scripts/bench_attention.py [--heads 32 --kv-heads 8 --head-dim 128]
-        [--decode-only] [--split-len 256] [--decode-warps 8] [--decode-stages 3] [--partials]
+        [--decode-only] [--split-len 256] [--decode-warps 8] [--decode-stages 3]
+        [--decode-maxnreg 128] [--partials]
 
 The last lines list the paged kernel's compiled variants with their registers and spills.
 """
@@ -213,12 +214,14 @@ def mixed_rows(args) -> list[str]:
     return out
 
 
-def override_decode_tile(warps: int, stages: int) -> None:
+def override_decode_tile(warps: int, stages: int, maxnreg: int = 0) -> None:
     """Launch options of the decode / verify tile other than the engine's (an experiment:
     the engine's own choice lives in launch_config)."""
     if warps:
         launch_config.DECODE_WARPS = warps
         launch_config.launch_plan.cache_clear()
+    if maxnreg:
+        launch_config.DECODE_MAXNREG = maxnreg
     if stages:
         engine_stages = pa.num_stages
         pa.num_stages = lambda on_gpu, rows, splits: stages if rows <= 64 else engine_stages(
@@ -253,6 +256,8 @@ def main() -> None:
                         help="warps of the decode / verify tile (<= 64 rows; 0: the engine's)")
     parser.add_argument("--decode-stages", type=int, default=0,
                         help="pipelining depth of that tile (0: the engine's)")
+    parser.add_argument("--decode-maxnreg", type=int, default=0,
+                        help="register cap of that tile (0: the compiler's choice)")
     parser.add_argument("--partials", action="store_true",
                         help="unsplit rows too write per-segment partials, folded after")
     parser.add_argument("--split-len", type=int, default=launch_config.SPLIT_LEN,
@@ -260,7 +265,7 @@ def main() -> None:
     args = parser.parse_args()
     global SPLIT_LEN, PARTIALS
     SPLIT_LEN, PARTIALS = args.split_len, args.partials or None
-    override_decode_tile(args.decode_warps, args.decode_stages)
+    override_decode_tile(args.decode_warps, args.decode_stages, args.decode_maxnreg)
     assert torch.cuda.is_available(), "needs a CUDA device"
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
@@ -296,6 +301,7 @@ def main() -> None:
           f"H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bf16 page={PAGE} "
           f"key segment {SPLIT_LEN}, decode tile warps / stages "
           f"{args.decode_warps or 'engine'} / {args.decode_stages or 'engine'}"
+          f"{f', register cap {args.decode_maxnreg}' if args.decode_maxnreg else ''}"
           f"{', partials unsplit too' if args.partials else ''}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} "
           f"TFLOP/s; decode bytes = KV read once; times per launch inside a CUDA graph")

@@ -53,6 +53,7 @@ def split_counts(max_splits: int) -> list[int]:
 
 
 DECODE_WARPS = 4  # warps of the decode / verify tile (<= 64 rows)
+DECODE_MAXNREG: int | None = None  # a register cap for that tile (None: the compiler's)
 
 
 def _launch_config(group_pad: int, max_query_len: int, head_dim: int, on_gpu: bool):

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from dspark.attention.base import AttentionMetadata
+from dspark.attention.triton import launch_config
 from dspark.attention.triton.flash_common import (
     LOG2E,
     _attend_paged,
@@ -280,6 +281,8 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
     num_q_progs = md.num_reqs if launch.pass_ == 1 else num_tokens // bq + md.num_reqs + 1
     stages = num_stages(q.is_cuda, bq * group_pad, num_splits)
     part_o, part_lse = parts if parts is not None else (out, out)  # (unused without splits)
+    cap = launch_config.DECODE_MAXNREG if q.is_cuda and bq * group_pad <= 64 else None
+    extra = {"maxnreg": cap} if cap else {}
     _paged_attention_kernel[(num_q_progs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         md.query_start_loc, md.seq_lens, md.positions, md.block_tables,
@@ -295,5 +298,5 @@ def _launch(q, k_cache, v_cache, md: AttentionMetadata, scale: float, out: torch
         SPLIT_LEN=split_len, NUM_SPLITS=num_splits, PARTIALS=parts is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         PASS=launch.pass_, SHORT_MAX=launch.short_max,
-        num_warps=launch.warps, num_stages=stages,
+        num_warps=launch.warps, num_stages=stages, **extra,
     )  # fmt: skip
