@@ -45,13 +45,25 @@ def _fold_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _row_sums(p, DOT_PRECISION: tl.constexpr):
+    """Each row's sum of p [M, N] (>= 0), as a dot with ones. A dot sums its reduction dim in
+    the same order whatever the tile's height and warps, where tl.sum's tree across threads
+    and warps follows the layout (the 16-row decode and 32-row verify tiles split a row's N
+    keys over 4 and 2 warps). The 16 columns are equal, so their max is exact."""
+    ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
+    return tl.max(_mma(p, ones, DOT_PRECISION), axis=1)
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
-    """One online-softmax update: s [M, N] scores in log2 units (-inf = masked), v [N, D]."""
+    """One online-softmax update: s [M, N] scores in log2 units (-inf = masked), v [N, D].
+    l sums the weights the PV dot uses (p in v's dtype), in a layout-free order (_row_sums);
+    the max is exact in any order."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
+    p = tl.exp2(s - m_new[:, None]).to(v.dtype)
+    l_i = l_i * alpha + _row_sums(p, DOT_PRECISION)
+    acc = acc * alpha[:, None] + _mma(p, v, DOT_PRECISION)
     return acc, m_new, l_i
 
 
