@@ -276,7 +276,8 @@ def install_cost_model(runner) -> None:
                    f"(the table's rows: {cost.profile_context_len:g}-token contexts)")
     problem = cost.describe_problem()
     if problem:
-        status = f"UNUSABLE ({problem}): every draft is verified"
+        # (where the table came from stays in the status: which table to re-profile)
+        status = f"UNUSABLE ({problem}): every draft is verified; the table was {status}"
         if runner.tp.rank == 0:
             logger.warning("adaptive verification: %s", status)
     else:

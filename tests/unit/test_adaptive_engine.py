@@ -75,7 +75,8 @@ def test_flat_table_verifies_everything_and_says_so(
     with caplog.at_level(logging.WARNING), pytest.warns(RuntimeWarning, match="flat"):
         llm = _llm(tiny_qwen, drafter, "lagged", path)
     assert any("flat" in r.getMessage() for r in caplog.records)
-    assert "UNUSABLE" in llm.engine.runner.spec.metrics()["cost_table_status"]
+    status = llm.engine.runner.spec.metrics()["cost_table_status"]
+    assert "UNUSABLE" in status and str(path) in status  # (which table to re-profile)
     assert _generate(llm) == reference
     st = llm.engine.spec_stats
     assert st.num_verified_tokens == st.num_drafted_tokens > 0  # budget R*K every step

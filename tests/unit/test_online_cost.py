@@ -328,6 +328,7 @@ def test_a_table_profiled_at_start_up_is_written_where_the_env_says(tiny_qwen, d
     assert np.array_equal(written.verify_tokens, cost.verify_tokens)
     assert np.array_equal(written.verify_ms, cost.verify_ms) and np.all(cost.verify_ms > 0)
     assert np.array_equal(written.draft_ms, cost.draft_ms)
+    # (also when the CPU's timings make the table flat, UNUSABLE: it once did in CI)
     assert str(out) in llm.engine.runner.spec.metrics()["cost_table_status"]
     written.to_json(str(tmp_path / "t.json"))
     out.unlink()
