@@ -48,8 +48,9 @@ def _fold_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def _row_sums(p, DOT_PRECISION: tl.constexpr):
     """Each row's sum of p [M, N] (>= 0), as a dot with ones. A dot sums its reduction dim in
     the same order whatever the tile's height and warps, where tl.sum's tree across threads
-    and warps follows the layout (the 16-row decode and 32-row verify tiles split a row's N
-    keys over 4 and 2 warps). The 16 columns are equal, so their max is exact."""
+    and warps follows the layout (compiled for sm_90: fp32 tiles of 16 and 32 rows spread a
+    row's 64 keys 2 and 4 to a thread; a bf16 tile's over 4 warps, or 8 with 8 warps). The
+    16 columns are equal, so their max is exact."""
     ones = tl.full([p.shape[1], 16], 1.0, p.dtype)
     return tl.max(_mma(p, ones, DOT_PRECISION), axis=1)
 
