@@ -137,12 +137,14 @@ def test_a_rows_bits_do_not_follow_the_decode_tiles_warps(
     backend = select_backend("triton", torch.device(DEVICE))
     backend.split_len = split_len
     by_warps = {}
-    for warps in (4, 8):
-        monkeypatch.setattr(launch_config, "DECODE_WARPS", warps)
+    try:
+        for warps in (4, 8):
+            monkeypatch.setattr(launch_config, "DECODE_WARPS", warps)
+            launch_config.launch_plan.cache_clear()
+            by_warps[warps] = _row_in_every_step(backend, torch.bfloat16, heads, kv_heads,
+                                                 head_dim, position, (1, 2))  # fmt: skip
+    finally:  # (no plan of 8 warps left cached for later tests, even if a launch raised)
         launch_config.launch_plan.cache_clear()
-        by_warps[warps] = _row_in_every_step(backend, torch.bfloat16, heads, kv_heads,
-                                             head_dim, position, (1, 2))  # fmt: skip
-    launch_config.launch_plan.cache_clear()
     differ = [step for step, out in by_warps[4].items() if not torch.equal(out, by_warps[8][step])]
     assert not differ, differ
 
