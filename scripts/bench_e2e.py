@@ -49,6 +49,9 @@ from e2e_report import (  # noqa: E402  (the summary, and what the servers logge
 )
 from offline_sweep import offline_sweep  # noqa: E402  (the closed loop)
 
+from dspark.bench.cli import main as bench_main  # noqa: E402  (the client, in this process)
+from dspark.engine.cpu_affinity import parse_cpu_list  # noqa: E402
+
 
 def arm_kind(name: str) -> str:
     """nospec / fixed / adaptive of an arm's name (fixed7 -> fixed)."""
@@ -107,7 +110,9 @@ def pinned(args, engine: bool = False) -> dict:
     return kw
 
 
-def serve(args, spec, port, log_path):
+def serve(args, spec, port, log_path, no_wait: bool = False):
+    """Start `dspark serve` for one arm; returns (process, URL) once it answers /health
+    (with no_wait: at once, for wait_ready)."""
     cmd = [sys.executable, "-m", "dspark", "serve", "--model", args.target, "--port", str(port),
            *engine_flags(args)]  # fmt: skip
     if args.load_format != "auto":
@@ -127,6 +132,18 @@ def serve(args, spec, port, log_path):
         kw["env"] = dict(kw.get("env", os.environ), DSPARK_STEP_CLOCK_LOG=steps)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, **kw)
     url = f"http://127.0.0.1:{port}"
+    return (proc, url) if no_wait else wait_ready(args, proc, url, log_path)
+
+
+def profiles_at_start(spec: dict | None) -> bool:
+    """Whether an arm's server profiles its cost table at start-up (adaptive, no table
+    given): it starts with no other server starting beside it, whose GPU work (graph
+    captures) would be in its timings."""
+    return (spec is not None and spec.get("adaptive_policy", "lagged") != "fixed"
+            and "cost_table_path" not in spec)
+
+
+def wait_ready(args, proc, url: str, log_path: str):
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -146,7 +163,7 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
     """`dspark bench serve` against one server: the whole sweep (default) or `levels`."""
     out = out or os.path.join(args.out, f"{arm}_t{temp:g}.json")
     warmup = args.warmup if warmup is None else warmup
-    cmd = [sys.executable, "-m", "dspark", "bench", "serve", "--base-url", url,
+    cmd = ["serve", "--base-url", url,
            "--sweep", levels or args.sweep, "--num-prompts", str(args.num_prompts),
            "--ignore-eos", "--prompts-per-concurrency", str(args.prompts_per_concurrency),
            "--temperature", str(temp), "--seed", str(seed), "--warmup", str(warmup),
@@ -161,7 +178,22 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
         cmd += ["--random-prompt-type", "token-ids"]
     if levels is not None:  # one level of an interleaved run: its own plot shows one point,
         cmd += ["--no-plot"]  # and took ~1 s a run to draw on the CPU (24 of them a test)
-    subprocess.run(cmd, check=True, cwd=ROOT, **pinned(args))
+    # in this process (a `dspark bench serve` process per level took ~1 s to start on the
+    # development machine: 12 of the 37 s of the demo pair's test); with --engine-cpus off
+    # the engines' CPUs while it runs, as a client process was (not for good: this process
+    # also runs the offline engines, and torch's threads pinned to one CPU of two made
+    # them ~5x slower there)
+    mask = os.sched_getaffinity(0)
+    others = mask - parse_cpu_list(args.engine_cpus) if args.engine_cpus else None
+    if others:
+        os.sched_setaffinity(0, others)
+    try:
+        rc = bench_main(cmd)
+    finally:
+        if others:
+            os.sched_setaffinity(0, mask)
+    if rc != 0:
+        raise RuntimeError(f"dspark bench serve {' '.join(cmd)} exited with {rc}")
     return json.load(open(out))
 
 
@@ -191,11 +223,24 @@ def run_interleaved(args, temps) -> dict:
     Each arm's levels are merged into one result file, as a sequential sweep writes it."""
     procs, urls = [], {}
     try:
-        for i, (arm, spec) in enumerate(run_order(args)):
-            proc, urls[arm] = serve(args, spec, args.port + i,
-                                    os.path.join(args.out, f"serve_{arm}.log"))  # fmt: skip
-            procs.append(proc)
-        names, levels = list(urls), args.sweep.split(",")
+        order = run_order(args)
+        # the servers that profile a cost table at start-up, each alone after the others,
+        # which start side by side (three starts one after another took ~2/3 of the demo
+        # pair's CPU test; a GPU's 8B-shape start spends tens of seconds capturing graphs)
+        alone = [profiles_at_start(spec) for _, spec in order]
+        started = []
+        for together in (True, False):
+            for i, (arm, spec) in enumerate(order):
+                if alone[i] == together:
+                    continue
+                log = os.path.join(args.out, f"serve_{arm}.log")
+                proc, url = serve(args, spec, args.port + i, log, no_wait=together)
+                procs.append(proc)
+                started.append((arm, proc, url, log))
+            for arm, proc, url, log in started:
+                urls[arm] = wait_ready(args, proc, url, log)[1]
+            started = []
+        names, levels = [arm for arm, _ in order], args.sweep.split(",")
         results, cut, measured = {}, [], False
         for t in temps:
             runs = {arm: [[] for _ in levels] for arm in names}  # [arm][level]: its rounds
@@ -298,9 +343,8 @@ def main() -> int:
     swept = [t for t in temps if any(k[1] == t for k in results)]  # (--stop-after: maybe not all)
     for t in swept:
         files = [os.path.join(args.out, f"{a}_t{t:g}.json") for a in arms(args)]
-        subprocess.run([sys.executable, "-m", "dspark", "bench", "plot", *files, "-o",
-                        os.path.join(args.out, f"sweep_t{t:g}.png"), "--title",
-                        f"{label}T={t:g}"], cwd=ROOT, check=False)  # fmt: skip
+        bench_main(["plot", *files, "-o", os.path.join(args.out, f"sweep_t{t:g}.png"),
+                    "--title", f"{label}T={t:g}"])  # fmt: skip
     if not args.offline_only:
         print_table(list(arms(args)), swept, results, checks, label)
     else:  # (the identity pass's lines, which print_table ends with)

@@ -240,7 +240,8 @@ def build_result_doc(args: argparse.Namespace, model: str | None, levels: list,
     config.update(model=model, max_concurrency=levels)
     return _finite({"schema_version": SCHEMA_VERSION, "tool": "dspark bench serve",
                     "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                    "command": _redacted_argv(sys.argv), "config": config,
+                    "command": _redacted_argv(getattr(args, "argv", None) or sys.argv),
+                    "config": config,
                     "environment": environment_info(), "results": results})
 
 
@@ -370,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    if argv is not None:  # (called in-process: the result records this command, not ours)
+        args.argv = ["dspark", "bench", *argv]
     return args.func(args)
 
 

@@ -11,9 +11,11 @@ in-flight ones finish for up to --shutdown-timeout seconds, aborts the rest, and
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
+import threading
 
 logger = logging.getLogger("dspark.serve")
 
@@ -205,15 +207,41 @@ def _graceful_server_class():
         def __init__(self, config, engine, drain_timeout_s: float):
             super().__init__(config)
             self.engine, self.drain_timeout_s = engine, drain_timeout_s
+            self._drain_asked = False
+            self._loop = None  # (serve's event loop, once it runs)
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets=sockets)
 
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                logger.info("shutting down: finishing in-flight requests (up to %g s)",
-                            self.drain_timeout_s)  # fmt: skip
-                self.engine.begin_drain(self.drain_timeout_s)
+            # A signal handler runs in the main thread between any two bytecodes, possibly
+            # while that thread holds the engine's send lock (a request's submit; or this
+            # handler's own drain, interrupted by a second SIGTERM: `kill` of the process
+            # group, then the parent passing it on). Taking that lock here hung the server
+            # for good. So the handler takes no lock: the drain is sent from the event loop
+            # (or a thread of its own, before the loop runs), once.
+            if not self._drain_asked:
+                self._drain_asked = True
+                self._defer(self._begin_drain)
             super().handle_exit(sig, frame)
             # a graceful shutdown exits 0 instead of re-raising the signal
             getattr(self, "_captured_signals", []).clear()
+
+        def _defer(self, fn) -> None:
+            loop = self._loop
+            if loop is not None and loop.is_running():
+                try:
+                    loop.call_soon_threadsafe(fn)  # (no lock: a deque and the self-pipe)
+                    return
+                except RuntimeError:  # (closed meanwhile)
+                    pass
+            threading.Thread(target=fn, name="dspark-drain", daemon=True).start()
+
+        def _begin_drain(self) -> None:
+            logger.info("shutting down: finishing in-flight requests (up to %g s)",
+                        self.drain_timeout_s)  # fmt: skip
+            self.engine.begin_drain(self.drain_timeout_s)
 
     return _GracefulServer
 

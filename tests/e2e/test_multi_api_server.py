@@ -155,7 +155,13 @@ def test_a_dead_server_takes_only_its_requests_then_sigterm_stops_all(multi):
         time.sleep(0.01)
     started = _STARTED.is_set()
     os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    try:  # (the drain takes up to --shutdown-timeout 5 s; the stream is 120 tiny-model tokens)
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # (seen once under load: every process's log, whole)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=10)
+        raise AssertionError(f"no exit 60 s after SIGTERM (stream started: {started}; "
+                             f"{len(got)} streams ended):\n{out}") from None
     stream.join(30)
     # ended cleanly: finished, or aborted at the drain's timeout on a loaded machine, as with
     # one server

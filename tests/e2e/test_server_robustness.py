@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+import uvicorn
 
 from tests.e2e.test_server import API_KEY, MAX_MODEL_LEN, MODEL, run_server, sse_data
 
@@ -275,3 +276,38 @@ def test_cli_without_model_or_bundled_default(capsys, monkeypatch):
     assert "--model is required" in capsys.readouterr().err
     assert main(["--model", "/nonexistent/checkpoint"]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_a_sigterm_landing_inside_an_engine_send_does_not_hang_the_server(tiny_qwen):
+    """The SIGTERM handler runs in the main thread between any two bytecodes, perhaps while
+    that thread holds the engine process's send lock (a request's submit, or the handler's
+    own drain cut by a second SIGTERM: the process group's, then the one the multi-server
+    parent passes on). A handler that sent the drain itself waited on that lock forever (a
+    suite run hung 120 s so, with the server and its engine process left behind). Here the
+    real ProcessCore is attached to pipes the test holds, and the handler runs twice with
+    its send lock held by the same thread: both return, and the drain is sent once, after."""
+    import multiprocessing as mp
+
+    from dspark.config import EngineConfig
+    from dspark.engine.async_engine import AsyncLLMEngine
+    from dspark.engine.engine_process import ProcessCore
+    from dspark.server.cli import GracefulServer
+
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    evt_r, evt_w = mp.Pipe(duplex=False)
+    evt_w.send([("ready", {"max_model_len": MAX_MODEL_LEN})])
+    core = ProcessCore(EngineConfig(model=tiny_qwen, device="cpu"), pipes=(cmd_w, evt_r))
+    server = GracefulServer(uvicorn.Config(app=None), AsyncLLMEngine(core=core), 5.0)
+
+    def signals_inside_a_send():
+        with core._send_lock:  # (as ProcessCore.submit holds it around its send)
+            server.handle_exit(signal.SIGTERM, None)
+            server.handle_exit(signal.SIGTERM, None)
+
+    handler = threading.Thread(target=signals_inside_a_send, daemon=True)
+    handler.start()
+    handler.join(10)
+    assert not handler.is_alive(), "the SIGTERM handler waited on the engine's send lock"
+    assert server.should_exit
+    assert cmd_r.poll(10) and cmd_r.recv() == ("drain", 5.0)
+    assert not cmd_r.poll(0.5)  # (once, however many signals)
