@@ -4,6 +4,7 @@ its own requests; SIGTERM to the server stops all of it cleanly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,9 +57,9 @@ def _start(tiny_qwen) -> tuple[subprocess.Popen, str]:
 def multi(tiny_qwen):
     proc, base = _start(tiny_qwen)
     yield proc, base
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):  # (the whole group: no server left behind)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def _complete(base: str, prompt: str, max_tokens: int = 12):
