@@ -52,6 +52,11 @@ class SpeculativeConfig:
     # a server also holds what only they pay: drafting never stopped at c = 128 on the 8B
     # shape, 20% below no speculation; spec/drafting.py, BENCHMARKS.md twelfth session)
     plain_probes: bool = True
+    # ... and while drafting is off, skip the drafter's context write on plain decode steps,
+    # rebuilding a request's missing context (the target run again over those tokens) before
+    # it drafts again (spec/context_gaps.py): pays where plain steps are device-bound and the
+    # target is small; off by default until measured on a GPU
+    skip_idle_context_write: bool = False
     # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
     # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were
     synthetic_acceptance_rates: list[float] | None = None

@@ -132,6 +132,8 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(req.num_computed_tokens, len(req.token_ids)) // bs  # committed only
+        if req.context_gap is not None:  # (a block lends its drafter context with its KV: none
+            num_full = min(num_full, req.context_gap // bs)  # whose context is missing)
         if num_full <= req.num_hashed_blocks:
             return
         table = self.block_tables.get(req.request_id)

@@ -43,6 +43,7 @@ from dspark.layers.parallel import SINGLE, tensor_parallel
 from dspark.models.config import ModelConfig
 from dspark.models.target import load_target
 from dspark.sampling.sampler import sample_step
+from dspark.spec.context_gaps import mark_gaps, rebuild_gaps, rows_to_rebuild
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ class ModelRunner:
         host = pack_step(rows, block_tables, self.block_size)
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
         plan = self.spec.plan(host, sched.draft_room) if self.spec is not None else None
+        if self.spec is not None and self.spec.skip_idle_write:
+            self._context_gaps(rows, block_tables, host)
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
         clock = self.step_clock.begin()  # (None unless DSPARK_STEP_CLOCK=1)
         if key is not None:  # the whole device half as (at most) two graph replays
@@ -252,6 +255,20 @@ class ModelRunner:
                                 inp.num_tokens)  # fmt: skip
 
         return wait
+
+    def _context_gaps(self, rows, block_tables: np.ndarray, host: HostStep) -> None:
+        """Skipped context writes (spec/context_gaps.py): a step that skips marks its rows'
+        gaps; a step that drafts first rebuilds the gaps of the rows it drafts for."""
+        spec = self.spec
+        if spec.skips_context_write(host.get("max_capacity"), host.get("max_query_len")):
+            mark_gaps(rows)
+            spec.gaps_marked = True
+        elif spec.draft_enabled and spec.gaps_marked:  # (no scan of the rows a step after
+            idx = rows_to_rebuild(rows, spec.probing)  # a drafting step found none)
+            if idx:
+                spec.rebuilt_tokens += rebuild_gaps(self, rows, block_tables, idx)
+            elif not spec.probing:  # (a running request left out of that step keeps its
+                spec.gaps_marked = False  # gap: it drafts from the context it has)
 
     @torch.inference_mode()
     def run_step(self, host: HostStep, plan: int | None):
@@ -308,11 +325,12 @@ class ModelRunner:
                     return graphs.run_raw(input_ids, md, num_tokens, t)
         return self.eager_forward(input_ids, md)
 
-    def eager_forward(self, input_ids: torch.Tensor, md):
+    def eager_forward(self, input_ids: torch.Tensor, md, aux: bool = True):
         """The target forward over `md`'s ragged stream, without graph replay (also what every
-        CUDA graph captures). Returns (hidden, aux hidden states for the drafter)."""
+        CUDA graph captures). Returns (hidden, aux hidden states for the drafter; None
+        without `aux`)."""
         with forward_context(ForwardContext(md, self.backend, self.kv_caches)):
-            return self.model(input_ids, md.positions, self.aux_layer_ids)
+            return self.model(input_ids, md.positions, self.aux_layer_ids if aux else ())
 
     # -- tensor parallel ---------------------------------------------------------------------
     def profile_cost(self, max_tokens=None, context_len=256, repeats=5, warmup=2):

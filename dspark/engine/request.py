@@ -182,6 +182,9 @@ class Request:
         self.num_hashed_blocks = 0  # of its blocks, those the block manager has registered
         self.num_preemptions = 0
         self.has_drafts = False  # drafts for the next verify live on the device
+        # first position whose drafter context a skipped write left missing (None: none;
+        # spec/context_gaps.py): rebuilt before the request drafts again
+        self.context_gap: int | None = None
         self.slot: int = -1  # row in the runner's persistent per-request device buffers
         self.round = 0  # decoding rounds so far (an RNG key)
         self.stale_conf: np.ndarray | None = None  # confidences of an earlier round (host)

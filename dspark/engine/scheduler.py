@@ -95,6 +95,7 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         victim.num_computed_tokens = 0
         victim.has_drafts = False
+        victim.context_gap = None  # (recomputed from its prompt, the context with it)
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
         out.preempted.append(victim)

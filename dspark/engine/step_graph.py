@@ -325,14 +325,18 @@ class StepGraphs(StepGraphCapture):
             finalize(inp, None, None, None)  # every draft slot verified; logits rows <= T
         if rn.feeds_pending:
             resolve_pending(inp, rn.last_tokens)  # tokens of the step still in flight
-        hidden, aux = rn.eager_forward(inp.input_ids, inp.attn_metadata())
+        # a plain step while drafting is off may skip the drafter's context (its rows' gaps
+        # are rebuilt before they draft: spec/context_gaps.py), and with it the layer outputs
+        skip = spec is not None and key[-1] == IDLE and spec.skip_idle_write
+        hidden, aux = rn.eager_forward(inp.input_ids, inp.attn_metadata(), aux=not skip)
         logits = rn.model.compute_logits(hidden[inp.logits_indices])
         if spec is None:
             out, num_out = sample_step(logits, inp)
         else:
             out, num_out = spec.verify(logits, inp)
-            spec.drafter.write_context(aux, inp.positions, inp.slot_mapping, spec.kv_caches,
-                                       rn.backend)  # fmt: skip
+            if not skip:
+                spec.drafter.write_context(aux, inp.positions, inp.slot_mapping,
+                                           spec.kv_caches, rn.backend)  # fmt: skip
             if key[-1] != IDLE:  # (into the persistent buffers the draft graph reads, which
                 # only a step that drafts replays; padding rows: position 0)
                 next_anchors(inp.anchor_pos, out, num_out, self.anchors[: inp.num_reqs],

@@ -100,6 +100,12 @@ class SpecDecoder(StepPlanning):
         self.drafting = DraftingDecision(self.k, sc.min_predicted_gain,
                                          sc.draft_skipping and self.tensor_parallel_size == 1,
                                          sc.plain_probes, DECIDE_MIN_S)  # fmt: skip
+        # while drafting is off, plain decode steps skip the drafter's context write, and
+        # gaps are rebuilt before drafting again (context_gaps.py; not under tensor
+        # parallelism: the rebuild runs on rank 0's side only)
+        self.skip_idle_write = sc.skip_idle_context_write and self.tensor_parallel_size == 1
+        self.gaps_marked = False  # a step skipped the write since a drafting step found none
+        self.rebuilt_tokens = 0  # tokens the target ran again to rebuild gaps
         self.draft_enabled = True
         self.probing = False  # a draft probe on a few of the rows while skipping (rows_with_drafts)
         self.draft_graphs = None
@@ -247,11 +253,19 @@ class SpecDecoder(StepPlanning):
             self.trace.append(record)
 
     # -- draft --------------------------------------------------------------------------------
+    def skips_context_write(self, max_capacity: int, max_query_len: int) -> bool:
+        """Whether the step planned last writes no drafter context (context_gaps.py): the
+        option is on, drafting is off, and it is a plain decode step (no draft verified, no
+        prefill chunk). The runner marks its rows' gaps by the same test."""
+        return (self.skip_idle_write and not self.draft_enabled and max_capacity == 0
+                and max_query_len == 1)  # fmt: skip
+
     def propose(self, inp: StepInputs, aux: torch.Tensor, out: torch.Tensor, num_out):
-        self.drafter.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches,
-                                   self.backend)  # fmt: skip
+        if not self.skips_context_write(inp.max_capacity, inp.max_query_len):
+            self.drafter.write_context(aux, inp.positions, inp.slot_mapping, self.kv_caches,
+                                       self.backend)  # fmt: skip
         if not self.draft_enabled:
-            return  # context still written: drafting can resume at any later step
+            return  # context written (or its gap kept): drafting can resume at any step
         # a probe refreshes the survival estimate on a few rows, not the whole batch
         rows = slice(0, PROBE_ROWS) if self.probing else slice(None)
         anchors, anchor_pos = next_anchors(inp.anchor_pos[rows], out[rows], num_out[rows])
