@@ -250,8 +250,9 @@ def main() -> int:
     ap.add_argument("--profile-concurrency", type=int, default=1)
     ap.add_argument("--trace", action="store_true", help="also write Chrome traces to --out")
     ap.add_argument("--arms", default="nospec,fixed",
-                    help="from nospec,fixed,adaptive,plain (adaptive, drafting held off),drafting "
-                         "(adaptive, drafting held on)")
+                    help="from nospec,fixed,adaptive,plain (adaptive, drafting held off),"
+                         "plain_skip (plain, writing no drafter context: "
+                         "skip_idle_context_write),drafting (adaptive, drafting held on)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
@@ -269,16 +270,19 @@ def main() -> int:
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
             "adaptive": dict(base, enable_adaptive_verification=True),
             "plain": dict(base, enable_adaptive_verification=True),
+            "plain_skip": dict(base, enable_adaptive_verification=True,
+                               skip_idle_context_write=True),
             "drafting": dict(base, enable_adaptive_verification=True, draft_skipping=False)}
     temps = [float(t) for t in args.temperatures.split(",")]
     rows, reports, timers = [], [], []
     for arm in args.arms.split(","):
         spec = arms[arm]
         with LLM(args.target, speculative_config=spec, **kw) as llm:
-            if arm == "plain":  # drafting held off: no probes, and no decision (the survival
-                # never gets known, so one would be due every step). Its timed plan reads high:
-                # the host timers nested inside it cost ~3 us each in situ (28th session: 46 us
-                # timed, 16 us untimed on the development machine; 14-16 us in H200 servers)
+            if arm.startswith("plain"):  # drafting held off: no probes, and no decision
+                # (the survival never gets known, so one would be due every step). Its timed
+                # plan reads high: the host timers nested inside it cost ~3 us each in situ
+                # (28th session: 46 us timed, 16 us untimed on the development machine;
+                # 14-16 us in H200 servers)
                 drafting = llm.engine.runner.spec.drafting
                 drafting.after_plan = lambda *a, **k: (False, False)
                 drafting.due = lambda num_reqs: False
