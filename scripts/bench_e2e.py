@@ -234,9 +234,12 @@ def run_interleaved(args, temps) -> dict:
                 if alone[i] == together:
                     continue
                 log = os.path.join(args.out, f"serve_{arm}.log")
-                proc, url = serve(args, spec, args.port + i, log, no_wait=together)
+                proc, url = serve(args, spec, args.port + i, log, no_wait=True)
                 procs.append(proc)
-                started.append((arm, proc, url, log))
+                if together:
+                    started.append((arm, proc, url, log))
+                else:  # (ready before the next one starts)
+                    urls[arm] = wait_ready(args, proc, url, log)[1]
             for arm, proc, url, log in started:
                 urls[arm] = wait_ready(args, proc, url, log)[1]
             started = []

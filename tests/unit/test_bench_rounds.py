@@ -26,7 +26,19 @@ def _run(tmp_path, monkeypatch, stop_after, sweep="1,2,4", rounds=2, seconds_per
     bench = _bench_e2e_module()
     now, calls = [1000.0], []
     monkeypatch.setattr(bench, "time", SimpleNamespace(time=lambda: now[0]))
-    monkeypatch.setattr(bench, "serve", lambda args, spec, port, log: (_Server(), f"u{port}"))
+    starts = []  # ("start" / "ready", port) in order
+
+    def serve(args, spec, port, log, no_wait=False):
+        starts.append(("start", port))
+        return (_Server(), f"u{port}") if no_wait else wait_ready(args, _Server(), f"u{port}",
+                                                                  log)  # fmt: skip
+
+    def wait_ready(args, proc, url, log):
+        starts.append(("ready", int(url[1:])))
+        return proc, url
+
+    monkeypatch.setattr(bench, "serve", serve)
+    monkeypatch.setattr(bench, "wait_ready", wait_ready)
 
     def fake_sweep(args, url, arm, temp, levels=None, warmup=None, seed=0, out=None):
         now[0] += seconds_per_run
@@ -39,7 +51,11 @@ def _run(tmp_path, monkeypatch, stop_after, sweep="1,2,4", rounds=2, seconds_per
                            sts=None, synthetic_rates=None, port=9000, out=str(tmp_path),
                            sweep=sweep, rounds=rounds, stop_after=stop_after,
                            started=now[0])  # fmt: skip
-    return bench.run_interleaved(args, [0.0]), calls
+    results = bench.run_interleaved(args, [0.0])
+    # fixed K's server (9000) starts with no other starting server waited for; the adaptive
+    # one (9001), which profiles its cost table at start-up, only once it is ready
+    assert starts == [("start", 9000), ("ready", 9000), ("start", 9001), ("ready", 9001)]
+    return results, calls
 
 
 def test_rounds_are_passes_over_every_level(tmp_path, monkeypatch):
