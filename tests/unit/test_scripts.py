@@ -142,11 +142,11 @@ def _free_port_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-# (CI runs two bench_e2e sweeps, ~95 s together on 2 cores: this sequential one of two arms
-# with synthetic acceptance at T = 1, its servers' engines in a thread (an engine process
-# costs ~5 s per server start here), and the interleaved one of three arms below, on engine
-# processes as `dspark serve` runs by default, at T = 0 with the identity pass, in rounds:
-# the GPU sessions' configuration)
+# (CI runs two bench_e2e sweeps, ~55 s together on 2 cores: this sequential one of two arms
+# with synthetic acceptance at T = 1, and the interleaved one of three arms below, at T = 0
+# with the identity pass, in rounds: the GPU sessions' configuration. Both run their servers'
+# engines in a thread: an engine process costs ~3-5 s more per server start here, and
+# tests/e2e/test_server_process.py serves through one)
 def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     """--arms nospec,adaptive runs those two only; --reverse-arms runs them adaptive first (a
     GPU that heats up under load then slows no-spec's steps, not adaptive's); --identity-
@@ -229,11 +229,10 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
            "--identity-tokens", "6", "--temperatures", "0", "--max-num-seqs", "4",
            "--max-model-len", "128", "--max-num-batched-tokens", "256", "--device", "cpu",
            "--out", str(tmp_path), "--port", str(_free_port_block(3))]  # fmt: skip
-    # (two rounds per level: the median of each arm's rounds is kept; every engine process on
-    # one CPU)
+    # (two rounds per level: the median of each arm's rounds is kept; every engine on one CPU)
     cpu = max(os.sched_getaffinity(0))
-    cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu)]
-    # (the engine processes time their loops: DSPARK_HOST_TIMERS)
+    cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu), "--no-engine-process"]
+    # (the engines time their loops: DSPARK_HOST_TIMERS)
     env = {**os.environ, "DSPARK_HOST_TIMERS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
