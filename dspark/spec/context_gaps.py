@@ -54,9 +54,10 @@ def rebuild_gaps(runner, rows, block_tables: np.ndarray, idx: list[int]) -> int:
     """Write the drafter's context over the gaps of rows `idx` (block_tables: the step's, row
     i of rows i), in batches of at most max_num_batched_tokens tokens. Returns the tokens
     recomputed. A gap covers the positions from `context_gap` to the row's computed tokens,
-    whose KV is in the cache (or written by a step still in flight, ahead on the stream) and
-    whose tokens are on the host: a step scheduled ahead leaves its own inputs pending, and
-    those come after its first position, where the gap of a row it skipped begins."""
+    whose KV is in the cache (or being written by a step still in flight, ahead on the
+    stream) and whose tokens are on the host: the only tokens not yet there are those a step
+    in flight samples, at or past the computed ones. (Were one missing, the gap would stay
+    open from it.)"""
     limit = runner.config.max_num_batched_tokens
     batch, size, total = [], 0, 0
     for i in idx:
