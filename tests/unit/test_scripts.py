@@ -8,24 +8,84 @@ import re
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
+# The scripts' CPU runs below are independent processes of ~4-15 s each on 2 cores (a torch
+# import alone is ~2.5 s): they start when the module does, two at a time, in the order the
+# tests read them, while the module's other tests run; each test waits for its own and checks
+# it as before (one after another they took ~100 of this module's 172 s on 2 cores).
+# (name, the test that reads it, script, arguments; "OUT": the run's own output folder)
+SYNTHETIC = ["--synthetic-rates", "0.9,0.9,0.9,0.9,0.9,0.9,0.9"]
+HOST_STEP = ["--concurrency", "3", "--tokens", "12"]
+PLAN = ["--concurrency", "2", "--repeats", "20"]
+RUNS = [
+    ("gpu_bench", "test_gpu_bench_smoke", "gpu_bench.py", ["--smoke", "--out", "OUT"]),
+    ("profile_example", "test_profile_example_smoke", "profile_example.py",
+     ["--smoke", "--out", "OUT"]),
+    ("host_step_cost none", "test_host_step_cost", "host_step_cost.py",
+     ["--policy", "none", *HOST_STEP]),
+    ("host_step_cost lagged cold", "test_host_step_cost", "host_step_cost.py",
+     ["--policy", "lagged", *HOST_STEP, "--cold"]),
+    ("host_step_cost plain", "test_host_step_cost_plain_steps_decide_nothing",
+     "host_step_cost.py", ["--policy", "lagged", "--plain", *HOST_STEP]),
+    ("profile_step", "test_profile_step_smoke", "profile_step.py", ["--smoke", "--out", "OUT"]),
+    ("profile_mixed", "test_profile_mixed_smoke", "profile_mixed.py",
+     ["--smoke", "--out", "OUT", "--arms", "nospec,fixed"]),
+    ("profile_mixed synthetic",
+     "test_profile_mixed_smoke_on_random_weights_with_synthetic_acceptance", "profile_mixed.py",
+     ["--smoke", "--out", "OUT", "--arms", "fixed", "--load-format", "dummy", *SYNTHETIC]),
+    ("diag_step_paths", "test_diag_step_paths_smoke", "diag_step_paths.py",
+     ["--smoke", "--out", "OUT"]),
+    ("plan_cost", "test_plan_cost", "plan_cost.py", PLAN),
+    ("plan_cost cold", "test_plan_cost", "plan_cost.py", [*PLAN, "--cold"]),
+    ("diag_adaptive", "test_diag_adaptive_smoke", "diag_adaptive.py",
+     ["--smoke", "--out", "OUT"]),
+    # (no kernel tables: the smoke run above profiles them, ~10 s on 2 cores)
+    ("diag_adaptive serving", "test_diag_adaptive_serving_mode_keeps_requests_in_flight",
+     "diag_adaptive.py", ["--smoke", "--out", "OUT", "--serving", "--kernel-tables", ""]),
+]  # fmt: skip
 
-def _smoke(script: str, out, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, f"scripts/{script}", "--smoke", "--out", str(out), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
+
+class ScriptRuns:
+    """The runs of RUNS that the selected tests read, started two at a time."""
+
+    def __init__(self, root, tests: set[str]):
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="script-run")
+        self.runs = {}
+        for name, test, script, argv in RUNS:
+            if test not in tests:
+                continue
+            out = root / name.replace(" ", "_")
+            out.mkdir()
+            argv = [str(out) if a == "OUT" else a for a in argv]
+            self.runs[name] = (out, self.pool.submit(
+                subprocess.run, [sys.executable, f"scripts/{script}", *argv], cwd=ROOT,
+                capture_output=True, text=True, timeout=300))  # fmt: skip
+
+    def result(self, name: str):
+        """(the finished process, its output folder); it must have exited 0."""
+        out, future = self.runs[name]
+        proc = future.result()
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc, out
 
 
-def test_gpu_bench_smoke(tmp_path):
-    proc = _smoke("gpu_bench.py", tmp_path)
-    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+@pytest.fixture(scope="module", autouse=True)
+def scripts(request, tmp_path_factory):
+    tests = {getattr(item, "originalname", item.name) for item in request.session.items
+             if item.module is request.module}  # fmt: skip
+    runs = ScriptRuns(tmp_path_factory.mktemp("script_runs"), tests)
+    yield runs
+    runs.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_gpu_bench_smoke(scripts):
+    proc, out = scripts.result("gpu_bench")
+    res = json.loads((out / "gpu_bench.json").read_text())
     tput = res["dspark_tok_s"]
     assert set(tput) == {"1", "4"} and all(v > 0 for v in tput.values())
     assert set(res["hf_tok_s"]) == {"1", "4"}
@@ -33,21 +93,16 @@ def test_gpu_bench_smoke(tmp_path):
     assert "decode batch 1 forward" in proc.stdout
 
 
-def test_profile_example_smoke(tmp_path):
-    _smoke("profile_example.py", tmp_path)
-    table = json.loads((tmp_path / "cost_table_smoke.json").read_text())
+def test_profile_example_smoke(scripts):
+    _, out = scripts.result("profile_example")
+    table = json.loads((out / "cost_table_smoke.json").read_text())
     assert table["provenance"]["dtype"] == "bfloat16" and table["verify"]["ms"]
 
 
 # (the lagged policy's warm loop: the --plain test below; ~4 s a run on 2 cores)
 @pytest.mark.parametrize("policy,cold", [("none", False), ("lagged", True)])
-def test_host_step_cost(policy, cold):
-    proc = subprocess.run(
-        [sys.executable, "scripts/host_step_cost.py", "--policy", policy, "--concurrency", "3",
-         "--tokens", "12", *(["--cold"] if cold else [])], cwd=ROOT, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_host_step_cost(scripts, policy, cold):
+    proc, _ = scripts.result(f"host_step_cost {policy}{' cold' if cold else ''}")
     line = proc.stdout.strip().splitlines()[-1]
     label = f"policy {policy}{', cold' if cold else ''}, concurrency 3:"
     assert label in line and "pack_step" in line
@@ -55,24 +110,19 @@ def test_host_step_cost(policy, cold):
     assert ("plan" in line) == (policy == "lagged")
 
 
-def test_host_step_cost_plain_steps_decide_nothing():
+def test_host_step_cost_plain_steps_decide_nothing(scripts):
     """--plain: the adaptive engine's plain steps as between decisions in serving (no decision
     due, no probe): every plan is an "other" plan, and no step drafts."""
-    proc = subprocess.run(
-        [sys.executable, "scripts/host_step_cost.py", "--policy", "lagged", "--plain",
-         "--concurrency", "3", "--tokens", "12"], cwd=ROOT, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, _ = scripts.result("host_step_cost plain")
     lines = proc.stdout.strip().splitlines()
     parts = next(ln for ln in lines if ln.startswith("planning by part"))
     assert "other" in parts and "decision" not in parts and "search" not in parts
     assert "policy lagged plain, concurrency 3:" in lines[-1]
 
 
-def test_profile_step_smoke(tmp_path):
-    proc = _smoke("profile_step.py", tmp_path)
-    report = (tmp_path / "profile_step.txt").read_text()
+def test_profile_step_smoke(scripts):
+    proc, out = scripts.result("profile_step")
+    report = (out / "profile_step.txt").read_text()
     assert report.count("### ") == 4 and "fixed T=1" in report  # 2 arms x 2 temperatures
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.startswith(("nospec ", "fixed "))]
@@ -89,11 +139,11 @@ def test_profile_step_smoke(tmp_path):
     assert ["SpecDecoder.plan" in t for t in timers] == [False, False, True, True]
 
 
-def test_profile_mixed_smoke(tmp_path):
+def test_profile_mixed_smoke(scripts):
     """Steps with prefill chunks and decode/verify steps are told apart and profiled by phase
     (the demo pair on the CPU, two arms)."""
-    proc = _smoke("profile_mixed.py", tmp_path, "--arms", "nospec,fixed")
-    report = (tmp_path / "profile_mixed.txt").read_text()
+    proc, out = scripts.result("profile_mixed")
+    report = (out / "profile_mixed.txt").read_text()
     assert "### nospec T=1 c=4" in report and "### fixed T=1 c=4" in report
     kinds = re.findall(r"^(\w+) +(\d+) steps:", report, re.M)
     assert [k for k, _ in kinds] == ["mixed", "plain", "mixed", "verify"]
@@ -102,13 +152,12 @@ def test_profile_mixed_smoke(tmp_path):
     assert "### fixed" in proc.stdout  # (each arm printed as it ends)
 
 
-def test_profile_mixed_smoke_on_random_weights_with_synthetic_acceptance(tmp_path):
+def test_profile_mixed_smoke_on_random_weights_with_synthetic_acceptance(scripts):
     """The 8B shape's options pass through: random weights (--load-format dummy) accept no
     draft on their own, so the drafts verified come from SYNTHETIC acceptance."""
-    proc = _smoke("profile_mixed.py", tmp_path, "--arms", "fixed", "--load-format", "dummy",
-                  "--synthetic-rates", "0.9,0.9,0.9,0.9,0.9,0.9,0.9")  # fmt: skip
+    proc, out = scripts.result("profile_mixed synthetic")
     assert "SYNTHETIC acceptance" in proc.stdout + proc.stderr
-    report = (tmp_path / "profile_mixed.txt").read_text()
+    report = (out / "profile_mixed.txt").read_text()
     kinds = re.findall(r"^(\w+) +(\d+) steps:", report, re.M)
     assert [k for k, _ in kinds] == ["mixed", "verify"] and all(int(n) > 0 for _, n in kinds)
 
@@ -347,9 +396,9 @@ def test_bench_e2e_reads_drafting_flips_from_a_server_log(tmp_path):
     assert bench_e2e.drafting_flips(str(tmp_path / "missing.log")) == []
 
 
-def test_diag_step_paths_smoke(tmp_path):
-    proc = _smoke("diag_step_paths.py", tmp_path)
-    report = (tmp_path / "diag_step_paths.txt").read_text()
+def test_diag_step_paths_smoke(scripts):
+    proc, out = scripts.result("diag_step_paths")
+    report = (out / "diag_step_paths.txt").read_text()
     assert report.count("### ") == 2  # a kernel table per path
     rows = [line.split() for line in proc.stdout.splitlines() if " tok/s " in line]
     assert [r[0] for r in rows[:4]] == ["whole-step"] * 2 + ["per-phase"] * 2
@@ -374,13 +423,8 @@ def test_server_host_ceiling_streams_every_step(servers):
 
 
 @pytest.mark.parametrize("cold", [False, True])
-def test_plan_cost(cold):
-    proc = subprocess.run(
-        [sys.executable, "scripts/plan_cost.py", "--concurrency", "2", "--repeats", "20"]
-        + (["--cold"] if cold else []),
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_plan_cost(scripts, cold):
+    proc, _ = scripts.result("plan_cost cold" if cold else "plan_cost")
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("2 requests") and all(k in line for k in ("plan", "bound", "search"))
     assert (", cold)" in line) == cold and "decision survey" in line and "chunk plan" in line
@@ -389,11 +433,11 @@ def test_plan_cost(cold):
     assert len(times) == 10 and all(t > 0 for t in times), line
 
 
-def test_diag_adaptive_smoke(tmp_path):
-    _smoke("diag_adaptive.py", tmp_path)
-    report = (tmp_path / "diag_adaptive.txt").read_text()
+def test_diag_adaptive_smoke(scripts):
+    _, out = scripts.result("diag_adaptive")
+    report = (out / "diag_adaptive.txt").read_text()
     assert "### nospec at concurrency 3" in report and "### adaptive at concurrency 3" in report
-    records = json.loads((tmp_path / "diag_adaptive.json").read_text())
+    records = json.loads((out / "diag_adaptive.json").read_text())
     spec_steps = [r for r in records["adaptive@3"]["records"] if not r["prefill"]]
     assert spec_steps and all(r["ms"] > 0 and r["emitted"] >= r["rows"] for r in spec_steps)
     assert "verify 1/req: forward" in report  # the cost table's view of the decision
@@ -401,13 +445,12 @@ def test_diag_adaptive_smoke(tmp_path):
     assert report.count("8 prompts of 24 tokens beside ~3 decoding rows") == 2
 
 
-def test_diag_adaptive_serving_mode_keeps_requests_in_flight(tmp_path):
-    # (no kernel tables: the smoke test above profiles them, ~10 s on 2 cores)
-    _smoke("diag_adaptive.py", tmp_path, "--serving", "--kernel-tables", "")
-    report = (tmp_path / "diag_adaptive.txt").read_text()
+def test_diag_adaptive_serving_mode_keeps_requests_in_flight(scripts):
+    _, out = scripts.result("diag_adaptive serving")
+    report = (out / "diag_adaptive.txt").read_text()
     assert "beside ~3 decoding rows" not in report and "prefill of 3 x" not in report
     assert report.count("6 requests, 3 in flight") == 2  # both arms
-    records = json.loads((tmp_path / "diag_adaptive.json").read_text())
+    records = json.loads((out / "diag_adaptive.json").read_text())
     # every request of both waves ran to its 12 tokens (the smoke's max_tokens)
     assert sum(r["emitted"] for r in records["nospec@3"]["records"]) == 6 * 12
     assert sum(r["emitted"] for r in records["adaptive@3"]["records"]) >= 6 * 12
