@@ -95,18 +95,25 @@ def engine_flags(args) -> list[str]:
     return flags
 
 
-def pinned(args, engine: bool = False) -> dict:
-    """Popen arguments for a server (`engine`: its engine process goes to --engine-cpus, via
-    DSPARK_ENGINE_CPUS) or a client: with --engine-cpus, servers and clients stay off those
-    CPUs, so that every arm's engine runs on the same CPUs and nothing else does."""
+def off_engine_cpus(args) -> set[int] | None:
+    """With --engine-cpus, this machine's other CPUs, where the servers and the client run,
+    so that every arm's engine runs on the same CPUs and nothing else does (None: no pinning,
+    or no CPU left over)."""
+    if not args.engine_cpus:
+        return None
+    return os.sched_getaffinity(0) - parse_cpu_list(args.engine_cpus) or None
+
+
+def server_pinning(args) -> dict:
+    """Popen arguments for a server: off the engines' CPUs, its engine process on them (via
+    DSPARK_ENGINE_CPUS)."""
     if not args.engine_cpus:
         return {}
-    from dspark.engine.cpu_affinity import ENV, parse_cpu_list
+    from dspark.engine.cpu_affinity import ENV
 
-    others = os.sched_getaffinity(0) - parse_cpu_list(args.engine_cpus)
+    others = off_engine_cpus(args)
     kw = {"preexec_fn": (lambda: os.sched_setaffinity(0, others))} if others else {}
-    if engine:
-        kw["env"] = dict(os.environ, **{ENV: args.engine_cpus})
+    kw["env"] = dict(os.environ, **{ENV: args.engine_cpus})
     return kw
 
 
@@ -122,7 +129,7 @@ def serve(args, spec, port, log_path, no_wait: bool = False):
     if not args.engine_process:
         cmd += ["--no-engine-process"]
     log = open(log_path, "w")
-    kw = pinned(args, engine=True)
+    kw = server_pinning(args)
     if spec is not None and "cost_table_path" not in spec:  # (the table it profiles, kept)
         kw["env"] = dict(kw.get("env", os.environ), DSPARK_COST_TABLE_OUT=f"{log_path}.table.json")
     if os.environ.get("DSPARK_STEP_CLOCK", "0") not in ("0", ""):  # every step, beside the log
@@ -183,8 +190,7 @@ def sweep(args, url, arm, temp, levels: str | None = None, warmup: int | None = 
     # the engines' CPUs while it runs, as a client process was (not for good: this process
     # also runs the offline engines, and torch's threads pinned to one CPU of two made
     # them ~5x slower there)
-    mask = os.sched_getaffinity(0)
-    others = mask - parse_cpu_list(args.engine_cpus) if args.engine_cpus else None
+    mask, others = os.sched_getaffinity(0), off_engine_cpus(args)
     if others:
         os.sched_setaffinity(0, others)
     try:
@@ -224,25 +230,24 @@ def run_interleaved(args, temps) -> dict:
     procs, urls = [], {}
     try:
         order = run_order(args)
-        # the servers that profile a cost table at start-up, each alone after the others,
-        # which start side by side (three starts one after another took ~2/3 of the demo
-        # pair's CPU test; a GPU's 8B-shape start spends tens of seconds capturing graphs)
+        # the servers that profile nothing start side by side (three starts one after another
+        # took ~2/3 of the demo pair's CPU test; a GPU's 8B-shape start spends tens of seconds
+        # capturing graphs); then each that profiles a cost table at start-up, alone
+        logs = [os.path.join(args.out, f"serve_{arm}.log") for arm, _ in order]
         alone = [profiles_at_start(spec) for _, spec in order]
-        started = []
-        for together in (True, False):
-            for i, (arm, spec) in enumerate(order):
-                if alone[i] == together:
-                    continue
-                log = os.path.join(args.out, f"serve_{arm}.log")
-                proc, url = serve(args, spec, args.port + i, log, no_wait=True)
+        starting = []
+        for i, (arm, spec) in enumerate(order):
+            if not alone[i]:
+                proc, url = serve(args, spec, args.port + i, logs[i], no_wait=True)
                 procs.append(proc)
-                if together:
-                    started.append((arm, proc, url, log))
-                else:  # (ready before the next one starts)
-                    urls[arm] = wait_ready(args, proc, url, log)[1]
-            for arm, proc, url, log in started:
-                urls[arm] = wait_ready(args, proc, url, log)[1]
-            started = []
+                starting.append((arm, proc, url, logs[i]))
+        for arm, proc, url, log in starting:
+            urls[arm] = wait_ready(args, proc, url, log)[1]
+        for i, (arm, spec) in enumerate(order):
+            if alone[i]:
+                proc, url = serve(args, spec, args.port + i, logs[i], no_wait=True)
+                procs.append(proc)
+                urls[arm] = wait_ready(args, proc, url, logs[i])[1]
         names, levels = [arm for arm, _ in order], args.sweep.split(",")
         results, cut, measured = {}, [], False
         for t in temps:
