@@ -80,7 +80,8 @@ def all_arms(args) -> dict[str, dict | None]:
     return {
         "nospec": None,
         f"fixed{args.k}": dict(base, adaptive_policy="fixed"),
-        f"adaptive{args.k}": dict(base, enable_adaptive_verification=True),
+        f"adaptive{args.k}": dict(base, enable_adaptive_verification=True,
+                                  **args.adaptive_config),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -88,8 +89,12 @@ def parse_args(description: str) -> argparse.Namespace:
       help="no servers and no serving sweep: only --offline-sweep (and the identity pass); "
            "with --interleave --offline-turn-steps N the arms' ratios are the host-drift-free "
            "ones, without TPOT")
+    a("--adaptive-config", default="{}", metavar="JSON",
+      help="more speculative_config keys for the adaptive arm alone, e.g. "
+           "'{\"skip_idle_context_write\": true}'")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
+    args.adaptive_config = adaptive_config(ap, args)
     args.started = time.time()  # (--stop-after counts from here)
     if args.engine_cpus:
         from dspark.engine.cpu_affinity import parse_cpu_list
@@ -122,3 +127,25 @@ def parse_args(description: str) -> argparse.Namespace:
     if args.interleave and args.num_kv_blocks is None and args.device != "cpu":
         ap.error("--interleave needs --num-kv-blocks (the first server would take the memory)")
     return args
+
+
+def adaptive_config(ap: argparse.ArgumentParser, args) -> dict:
+    """--adaptive-config's keys, checked as the engine will check them (a key or value it
+    refuses is refused now, naming the flag, not by a server minutes into the run)."""
+    from dspark.config import SpeculativeConfig
+
+    try:
+        extra = json.loads(args.adaptive_config)
+    except json.JSONDecodeError as e:
+        ap.error(f"--adaptive-config: not JSON ({e})")
+    if not isinstance(extra, dict):
+        ap.error("--adaptive-config: a JSON object of speculative_config keys")
+    fixed = sorted({"model", "num_speculative_tokens"} & set(extra))
+    if fixed:  # (every arm's drafter and K: --drafter, --k; the arms' names carry K)
+        ap.error(f"--adaptive-config: {', '.join(fixed)} set for every arm by --drafter / --k")
+    try:
+        SpeculativeConfig.from_dict({"model": args.drafter, "enable_adaptive_verification": True,
+                                     **extra})  # fmt: skip
+    except (TypeError, ValueError) as e:
+        ap.error(f"--adaptive-config: {e}")
+    return extra

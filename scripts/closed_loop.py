@@ -86,7 +86,9 @@ def _policy_counts(engine) -> dict | None:
         return None
     plan_ms, alloc_ms = spec.scheduler_overhead_ms()  # (waits for the allocation timers)
     return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans),
-            "overhead_ms": {"plan": plan_ms, "alloc": alloc_ms}}
+            "overhead_ms": {"plan": plan_ms, "alloc": alloc_ms},
+            # (skip_idle_context_write: target tokens run again to rebuild context gaps)
+            "context": {"rebuilt_tokens": spec.rebuilt_tokens}}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,

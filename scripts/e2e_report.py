@@ -344,13 +344,16 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
                 per_round = [
                     "/".join(str(p["steps_by_kind"].get(k, 0)) for k in STEP_KINDS)
                     + f" d{p['plans'].get('decision', 0)} v{v:.0f}"
+                    + (f" r{p['context']['rebuilt_tokens']}"
+                       if p.get("context", {}).get("rebuilt_tokens") else "")
                     for p, v in zip(policies, verified, strict=True)
                     if p is not None and v is not None]  # fmt: skip
                 if per_round:
                     cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
             if cells:
                 print(f"{n} offline at T={t:g}, each round's steps by kind "
-                      f"({' / '.join(STEP_KINDS)}), decisions d, drafts verified a request v: "
+                      f"({' / '.join(STEP_KINDS)}), decisions d, drafts verified a request v"
+                      ", context tokens rebuilt r (when any): "
                       + "; ".join(cells))
             shares = [(lv["max_concurrency"], lv.get("scheduler_overhead")) for lv in rows]
             if any(x is not None for _, x in shares):  # (the median round's, per level)

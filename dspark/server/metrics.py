@@ -107,6 +107,11 @@ class ServerMetrics:
             "dspark_spec_alloc_ms", "Device time of the adaptive policy's allocations, ms.",
             registry=r,
         )  # fmt: skip
+        self.rebuilt_tokens = Counter(
+            "dspark_spec_context_rebuilt_tokens", "Tokens the target ran again to rebuild the "
+            "drafter's context skipped while drafting was off (skip_idle_context_write).",
+            registry=r,
+        )  # fmt: skip
         self._last: dict[str, float] = {}
         self.ttft = Histogram(
             "dspark_time_to_first_token_seconds", "Time to the first token.",
@@ -239,6 +244,7 @@ class ServerMetrics:
                        (over.get("plans") or {}).get(part, 0))  # fmt: skip
         if "alloc_ms" in over:
             self._grow(self.alloc_ms, "alloc_ms", over["alloc_ms"])
+        self._grow(self.rebuilt_tokens, "rebuilt_tokens", runtime.get("context_rebuilt_tokens", 0))
         if not snap.get("spec_enabled"):
             runtime.setdefault("cost_table_status", "disabled")
         self._update_runtime(runtime)

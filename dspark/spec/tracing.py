@@ -154,6 +154,9 @@ def decoder_metrics(sd) -> dict:
         # the steps the learned terms came from, by kind and batch size, both modes (one
         # table): [steps, period ms, residual ms] (cumulative)
         "observed_steps": sd.fixed_costs.observed_totals(),
+        # skip_idle_context_write: target tokens run again to rebuild the drafter's context
+        # over skipped writes (context_gaps.py; cumulative)
+        "context_rebuilt_tokens": sd.rebuilt_tokens,
     }
 
 

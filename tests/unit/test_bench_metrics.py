@@ -180,6 +180,19 @@ def test_the_drafting_decisions_state_from_a_servers_metrics():
     assert s["learned_fixed_ms"] == learned and "acceptance_ratio" not in s
 
 
+def test_context_rebuilt_tokens_reach_a_counter():
+    """skip_idle_context_write's cost, the target tokens run again to rebuild skipped
+    context, is a counter that grows by the engine's cumulative count."""
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics("x")
+    for total in (10, 25, 25):
+        m.update_from_snapshot({"spec_enabled": True,
+                                "spec_runtime": {"context_rebuilt_tokens": total}}, alive=True)
+    text = m.render()[0].decode()
+    assert "dspark_spec_context_rebuilt_tokens_total 25.0" in text
+
+
 def test_step_clock_totals_reach_metrics_and_the_per_level_view():
     """A DSPARK_STEP_CLOCK=1 engine's device busy / idle totals by kind of step are rendered
     by ServerMetrics and read back per level as ms per step (bench serve's `step_clock`)."""

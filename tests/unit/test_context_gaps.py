@@ -67,6 +67,7 @@ def test_skipped_writes_then_rebuilt_gaps_keep_greedy_output_exact(tiny_qwen, dr
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert spec.rebuilt_tokens > 0  # gaps were rebuilt before drafting resumed
+    assert spec.metrics()["context_rebuilt_tokens"] == spec.rebuilt_tokens  # (reported)
     steps = llm.engine.stats["steps"]
     assert len(writes) < steps * 0.8, (len(writes), steps)  # plain steps wrote nothing
     llm.engine.block_manager.check_integrity()

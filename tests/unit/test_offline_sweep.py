@@ -123,8 +123,9 @@ def test_bench_e2e_offline_sweep_runs_each_arm_before_the_identity_pass(
 
 def test_bench_e2e_offline_only_starts_no_server(tmp_path, monkeypatch, capsys):
     """--offline-only: no server and no serving sweep, only the offline sweep (here the arms
-    in turns of 2 steps, demo pair, CPU); its table, each speculative arm's overhead per
-    level and the identity pass's lines are printed, not the serving table."""
+    in turns of 2 steps, demo pair, CPU, the adaptive engine skipping idle context writes);
+    its table, each speculative arm's overhead per level and the identity pass's lines are
+    printed, not the serving table."""
     def no_serving(args, temps):
         raise AssertionError("--offline-only ran a serving sweep")
 
@@ -137,9 +138,11 @@ def test_bench_e2e_offline_only_starts_no_server(tmp_path, monkeypatch, capsys):
         "--arms", "nospec,adaptive",
         "--device", "cpu", "--max-model-len", "128", "--max-num-batched-tokens", "256",
         "--identity-prompts", "0", "--interleave", "--offline-sweep", "2",
-        "--offline-turn-steps", "2", "--offline-only", "--out", str(tmp_path)])  # fmt: skip
+        "--offline-turn-steps", "2", "--offline-only", "--out", str(tmp_path),
+        "--adaptive-config", '{"skip_idle_context_write": true}'])  # fmt: skip
     assert bench_e2e.main() == 0
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert summary["args"]["adaptive_config"] == {"skip_idle_context_write": True}
     assert summary["results"] == {} and not list(tmp_path.glob("*.png"))  # (nor a plot)
     sweep = summary["checks"]["offline_sweep"]
     for arm in ("nospec", "adaptive3"):
@@ -349,3 +352,20 @@ def test_the_identity_report_says_where_diverging_outputs_left_the_first_arms(ca
         "each round): c=4 30/32, 30/32; c=16 64/64, 64/64",
         "fixed7 offline at T=0, where outputs left nospec's (prompt@first differing token; "
         "each level's first round, up to 16 prompts): c=4 3@117 9@201"]
+
+
+def test_the_report_names_context_tokens_rebuilt_in_a_round_that_rebuilt_any(capsys):
+    """skip_idle_context_write's cost per round (r: target tokens run again), printed beside
+    the round's steps by kind only where the round rebuilt any."""
+    from e2e_report import print_offline_policy
+
+    def policy(rebuilt):
+        return {"steps_by_kind": {"plain": 90, "draft": 2, "verify": 8, "mixed": 1},
+                "plans": {"decision": 3}, "context": {"rebuilt_tokens": rebuilt}}
+
+    level = {"max_concurrency": 4, "rounds_policy": [policy(120), policy(0)],
+             "rounds_verified": [40.0, 0.0]}
+    sweep = {"temperatures": [1.0], "arms": {"adaptive7": {"by_temperature": {"1": [level]}}}}
+    print_offline_policy(["adaptive7"], sweep)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.endswith("c=4 90/2/8/1 d3 v40 r120, 90/2/8/1 d3 v0"), line

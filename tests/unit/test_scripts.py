@@ -256,6 +256,30 @@ def test_bench_e2e_rejects_arms_without_adaptive(monkeypatch, capsys):
     assert "--arms: adaptive and one or both" in err
 
 
+@pytest.mark.parametrize("value,named", [
+    ('{"skip_idle_context_writes": true}', "unknown speculative_config key(s): "
+                                           "skip_idle_context_writes"),
+    ('{"adaptive_policy": "sometimes"}', "adaptive_policy"),
+    ('{"num_speculative_tokens": 3}', "num_speculative_tokens set for every arm"),
+    ("[1]", "a JSON object"), ("{skip", "not JSON")])
+def test_bench_e2e_refuses_an_adaptive_config_the_engine_would(monkeypatch, capsys, value,
+                                                               named):
+    err = _bench_e2e_refuses(monkeypatch, capsys, "--adaptive-config", value)
+    assert "--adaptive-config: " in err and named in err, err[-500:]
+
+
+def test_bench_e2e_adaptive_config_reaches_the_adaptive_arm_alone(monkeypatch):
+    """--adaptive-config's keys join the adaptive arm's speculative_config, not fixed K's."""
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--target", "t", "--drafter", "d", "--out", "o",
+        "--adaptive-config", '{"skip_idle_context_write": true}'])  # fmt: skip
+    module = _bench_e2e_module()
+    arms = module.all_arms(module.parse_args("x"))
+    assert arms["adaptive7"]["skip_idle_context_write"] is True
+    assert arms["adaptive7"]["enable_adaptive_verification"] is True
+    assert "skip_idle_context_write" not in arms["fixed7"] and arms["nospec"] is None
+
+
 @pytest.mark.parametrize("flag,value", [("--identity-tokens", "0"),
                                         ("--identity-prompts", "-1")])
 def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(monkeypatch, capsys, flag,
