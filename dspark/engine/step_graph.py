@@ -129,10 +129,17 @@ class StepGraphs(StepGraphCapture):
             return None
         mode = "greedy" if g("all_greedy") else "sample"
         spec = self.spec
+        plain = g("max_capacity") == 0 and g("max_query_len") == 1  # (a plain decode step)
         # traces sync every step; the online estimator's coefficients change between steps; a
-        # probe drafts for its first rows only (eager: the graphs draft for all or none)
+        # draft probe beside drafts to verify or prefill chunks drafts for its first rows only
+        # (eager: those graphs draft for all rows or none). A plain one runs as the plain
+        # family that drafts: drafts for every row, of which the commit keeps the probe's
+        # first rows' (SpecDecoder.rows_with_drafts). An eager step is dear where steps are
+        # host-bound (8B shape, c = 128: a probe 28 ms against 9 ms plain steps, sixth
+        # session); the trained pair at T = 1 ran 12.7% behind no speculation at c = 32 with
+        # drafting off but for 15 probes, its plain steps ~4% dearer (fifty-first session)
         if spec is not None and (spec.trace is not None or spec.estimator is not None
-                                 or (spec.draft_enabled and spec.probing)):  # fmt: skip
+                                 or (spec.draft_enabled and spec.probing and not plain)):
             return None
         if g("max_query_len") > (1 + self.k if g("max_capacity") > 0 else 1):
             return self._mixed_key(host, budget, rb, mode)  # (prefill chunks)
@@ -181,8 +188,9 @@ class StepGraphs(StepGraphCapture):
         return sorted({self._trim_bucket(rb, n) for n in range(fewest, full)}, reverse=True)
 
     def proposes(self) -> bool:
-        """Whether this step drafts for every row (a probe drafts for a few: eager)."""
-        return self.spec is not None and self.spec.draft_enabled and not self.spec.probing
+        """Whether this step drafts for every row: drafting is on, or a draft probe runs as a
+        plain step (key_for runs every other probe eager)."""
+        return self.spec is not None and self.spec.draft_enabled
 
     # -- the step ------------------------------------------------------------------------------
     def start(self, host: HostStep, key: tuple, budget: int | None = None):

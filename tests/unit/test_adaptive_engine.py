@@ -258,3 +258,48 @@ def test_the_budget_never_reads_the_confidences_of_the_drafts_it_verifies(
     rows = sum(int(np.isfinite(live).all(axis=1).sum()) for _, live in reads)
     same = sum(int((read == live).all(axis=1).sum()) for read, live in reads)
     assert rows > 20 and same == 0  # (random confidences: equal rows only as the same copy)
+
+
+def test_a_plain_draft_probe_runs_as_a_whole_step_graph_that_keeps_its_first_rows_drafts(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """With whole-step graphs (their code run without capture), a draft probe of a batch
+    larger than PROBE_ROWS on a plain step runs as the plain family that drafts (no eager
+    step: one cost a probe 28 ms against 9 ms plain steps on the 8B shape), drafting for every
+    row; the step after it verifies the probe's first PROBE_ROWS rows' drafts only (K each at
+    most), the others decode plainly. Outputs stay those of no speculation."""
+    from dspark.engine.cuda_graph import default_buckets
+    from dspark.engine.step_graph import StepGraphs
+    from dspark.spec.drafting import _PROBE_EVERY, PROBE_ROWS
+
+    path = _table(tmp_path, "costly_drafter", weight_read_ms=1.0, ms_per_token=0.0,
+                  fixed_overhead_ms=0.0, draft_base_ms=100.0, draft_ms_per_req=0.0)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=2 * _PROBE_EVERY + 8, ignore_eos=True)
+    num_reqs = PROBE_ROWS + 4
+    prompts = [{"prompt_token_ids": list(range(5, 9 + i))} for i in range(num_reqs)]
+    llm = _llm(tiny_qwen, drafter, "lagged", path, budget_tokens=256)
+    runner, spec = llm.engine.runner, llm.engine.runner.spec
+    sg = runner.step_graphs = StepGraphs(runner, use_graphs=False)
+    sg.token_buckets = default_buckets(256)
+    graph_steps, eager_steps = [], []
+    start, run_step = sg.start, runner.run_step
+
+    def start_spy(host, key, budget=None):
+        graph_steps.append((key, spec.draft_enabled, spec.probing, host.num_draft_slots()))
+        return start(host, key, budget)
+
+    def run_step_spy(host, plan):
+        eager_steps.append((spec.draft_enabled, spec.probing, host.get("max_query_len")))
+        return run_step(host, plan)
+
+    sg.start, runner.run_step = start_spy, run_step_spy
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_qwen, device="cpu").generate(
+        prompts, params)]  # fmt: skip
+    assert outs == ref
+    probes = [i for i, (_, on, probing, _) in enumerate(graph_steps) if on and probing]
+    assert len(probes) >= 2, graph_steps  # (skipped steps: every _PROBE_EVERY-th probes)
+    for i in probes:  # the plain family that drafts, then only the probe's rows verify
+        assert graph_steps[i][0] == ("plain", 16, "greedy"), graph_steps[i]
+        assert graph_steps[i + 1][3] == PROBE_ROWS * spec.k, graph_steps[i + 1]
+    # no decode step ran eager: only prefill steps did (their query is the prompt)
+    assert all(max_q > 1 for *_, max_q in eager_steps), eager_steps
