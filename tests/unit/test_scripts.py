@@ -33,6 +33,7 @@ RUNS = [
     ("host_step_cost plain", "test_host_step_cost_plain_steps_decide_nothing",
      "host_step_cost.py", ["--policy", "lagged", "--plain", *HOST_STEP]),
     ("profile_step", "test_profile_step_smoke", "profile_step.py", ["--smoke", "--out", "OUT"]),
+    ("probe_cost", "test_probe_cost_smoke", "probe_cost.py", ["--smoke"]),
     ("profile_mixed", "test_profile_mixed_smoke", "profile_mixed.py",
      ["--smoke", "--out", "OUT", "--arms", "nospec,fixed"]),
     ("profile_mixed synthetic",
@@ -118,6 +119,18 @@ def test_host_step_cost_plain_steps_decide_nothing(scripts):
     parts = next(ln for ln in lines if ln.startswith("planning by part"))
     assert "other" in parts and "decision" not in parts and "search" not in parts
     assert "policy lagged plain, concurrency 3:" in lines[-1]
+
+
+def test_probe_cost_smoke(scripts):
+    """probe_cost.py: no-spec, then an adaptive engine that never drafts but for its draft
+    probes (on the CPU no step runs as a graph)."""
+    proc, _ = scripts.result("probe_cost")
+    rows = {r[0]: r for r in (line.split() for line in proc.stdout.splitlines())
+            if r[:1] in (["nospec"], ["probing"])}  # fmt: skip
+    assert set(rows) == {"nospec", "probing"}
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows.values())
+    assert rows["nospec"][4] == "0" and int(rows["probing"][4]) >= 1  # probes counted
+    assert rows["probing"][5] == "0"  # (graph steps)
 
 
 def test_profile_step_smoke(scripts):
