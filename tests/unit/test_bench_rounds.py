@@ -50,7 +50,7 @@ def _run(tmp_path, monkeypatch, stop_after, sweep="1,2,4", rounds=2, seconds_per
     args = SimpleNamespace(arms=["fixed", "adaptive"], reverse_arms=False, drafter="d", k=7,
                            sts=None, synthetic_rates=None, port=9000, out=str(tmp_path),
                            sweep=sweep, rounds=rounds, stop_after=stop_after,
-                           started=now[0])  # fmt: skip
+                           started=now[0], adaptive_config={})  # fmt: skip
     results = bench.run_interleaved(args, [0.0])
     # fixed K's server (9000) starts with no other starting server waited for; the adaptive
     # one (9001), which profiles its cost table at start-up, only once it is ready
