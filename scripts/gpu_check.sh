@@ -11,6 +11,11 @@
 #           a Qwen3-8B layer's elementwise ops; the drafter's context write; the allocation)
 #           -> $OUT/fused.log
 #   step    where a step's time goes (scripts/profile_step.py, demo pair)  -> $OUT/profile_step.txt
+#   probe   what draft probes cost while drafting is off (scripts/probe_cost.py, demo pair: no-spec
+#           against an adaptive engine that never drafts but for its probes), then the same in
+#           .snap when it holds a tree with that script (the code before a change, carried:
+#           an A/B on one machine; PROBE_ARGS, default --concurrency 16,32,64)
+#           -> $OUT/probe.log, $OUT/probe_snap.log
 #   mixed   steps with prefill chunks against decode / verify steps: launches, device time by
 #           phase and kernel (scripts/profile_mixed.py, demo pair, c = 128) -> $OUT/profile_mixed.txt
 #   step8b  the same on the 8B shape, SYNTHETIC acceptance, profiled at concurrency 128
@@ -151,6 +156,15 @@ if has profile; then
 fi
 if has step; then
   python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
+fi
+if has probe; then
+  python3 scripts/probe_cost.py ${PROBE_ARGS:---concurrency 16,32,64} 2>&1 \
+    | tee "$OUT/probe.log" | tail -8
+  if [[ -f .snap/scripts/probe_cost.py ]]; then
+    [[ -e .snap/dspark/assets ]] || ln -s ../../dspark/assets .snap/dspark/assets
+    (cd .snap && PYTHONPATH=$PWD python3 scripts/probe_cost.py ${PROBE_ARGS:---concurrency \
+      16,32,64}) 2>&1 | tee "$OUT/probe_snap.log" | tail -8
+  fi
 fi
 if has mixed; then
   python3 scripts/profile_mixed.py --out "$OUT" ${MIXED_ARGS:-} 2>&1 | tee "$OUT/mixed.log" | tail -80
