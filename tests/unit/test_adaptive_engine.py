@@ -197,10 +197,11 @@ def test_each_row_takes_its_sampling_modes_calibration(tiny_qwen, drafter, tmp_p
 
 def test_a_probe_that_covers_every_row_is_an_ordinary_drafting_step(tiny_qwen, drafter,
                                                                     tmp_path):  # fmt: skip
-    """While drafting is skipped, a draft probe drafts for its first PROBE_ROWS rows (eager:
-    whole-step graphs draft for all rows or none). A batch no larger than that is drafted
-    whole anyway, so such a probe is an ordinary drafting step, which graphs can run; a
-    larger batch still probes a few rows. Outputs stay those of no speculation."""
+    """While drafting is skipped, a draft probe drafts for its first PROBE_ROWS rows (the
+    test below: on a plain step, whole-step graphs draft for every row and the commit keeps
+    those). A batch no larger than that is drafted whole anyway, so such a probe is an
+    ordinary drafting step; a larger batch still probes a few rows. Outputs stay those of no
+    speculation."""
     from dspark.spec.drafting import _PROBE_EVERY, PROBE_ROWS
 
     # the drafter costs 100 ms a pass: drafting never pays, every 64th skipped step probes
