@@ -81,8 +81,9 @@ _PROBE_EVERY = 64  # while drafting is skipped, draft every this many steps to r
 PROBE_ROWS = 8  # ... for this many rows of the step
 # ... and twice as far apart after each probe whose verdict was plain decoding by twice the
 # guard, up to this many times _PROBE_EVERY (back to 1x on a closer verdict or when the batch
-# size moves by a quarter): a probe is an eager step plus one verifying it (H200, 8B shape,
-# c = 128: 28 ms against 9 ms plain steps, sixth session), and a steady verdict needs few
+# size moves by a quarter): a probe is a drafting step plus one verifying it (eager, it was
+# 28 ms against 9 ms plain steps: H200, 8B shape, c = 128, sixth session; on a plain step it
+# now runs as a whole-step graph, step_graph.key_for), and a steady verdict needs few
 _PROBE_BACKOFF_MAX = 8
 # drafting turns on / off after this many consecutive decisions against its state: a server
 # passes through batch sizes for a step or two (a request finished, the next not yet arrived),
