@@ -54,8 +54,9 @@ class SpeculativeConfig:
     plain_probes: bool = True
     # ... and while drafting is off, skip the drafter's context write on plain decode steps,
     # rebuilding a request's missing context (the target run again over those tokens) before
-    # it drafts again (spec/context_gaps.py): pays where plain steps are device-bound and the
-    # target is small; off by default until measured on a GPU
+    # it drafts again (spec/context_gaps.py). Off by default: on an H100 it brought the trained
+    # 33.6 M pair's plain steps to no speculation's device time, but its eager rebuilds before
+    # every draft probe cost more end to end (BENCHMARKS.md, fifty-first session)
     skip_idle_context_write: bool = False
     # benchmarking only (NOT lossless): with rejection_sample_method "synthetic", draft j is
     # accepted with probability synthetic_acceptance_rates[j] given the earlier ones were

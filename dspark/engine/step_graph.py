@@ -131,13 +131,10 @@ class StepGraphs(StepGraphCapture):
         spec = self.spec
         plain = g("max_capacity") == 0 and g("max_query_len") == 1  # (a plain decode step)
         # traces sync every step; the online estimator's coefficients change between steps; a
-        # draft probe beside drafts to verify or prefill chunks drafts for its first rows only
-        # (eager: those graphs draft for all rows or none). A plain one runs as the plain
-        # family that drafts: drafts for every row, of which the commit keeps the probe's
-        # first rows' (SpecDecoder.rows_with_drafts). An eager step is dear where steps are
-        # host-bound (8B shape, c = 128: a probe 28 ms against 9 ms plain steps, sixth
-        # session); the trained pair at T = 1 ran 12.7% behind no speculation at c = 32 with
-        # drafting off but for 15 probes, its plain steps ~4% dearer (fifty-first session)
+        # draft probe drafts for its first rows only: eager beside drafts to verify or prefill
+        # chunks (those graphs draft for all rows or none); on a plain step, the plain family
+        # that drafts for every row, of which the commit keeps the probe's rows' drafts
+        # (SpecDecoder.rows_with_drafts; an eager probe: 28 ms against 9 ms plain steps, 8B)
         if spec is not None and (spec.trace is not None or spec.estimator is not None
                                  or (spec.draft_enabled and spec.probing and not plain)):
             return None

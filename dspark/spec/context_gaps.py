@@ -22,6 +22,11 @@ Blocks at or past a gap are not registered in the prefix cache (block_manager.
 cache_full_blocks): a block reused by another request lends it its drafter context too.
 
 Lossless either way: drafts decide only what is verified, never what is emitted.
+
+Measured (H100, trained pair, T = 1, fifty-first session): the plain step's device time fell
+to no speculation's (438 against 451 µs), but the rebuilds, eager target runs before every
+draft probe, left the engine 10.7-17.0% behind no speculation at c = 16-32 against 6.5-12.7%
+without the option. Hence off by default.
 """
 
 from __future__ import annotations
