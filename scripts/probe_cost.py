@@ -45,8 +45,8 @@ def main() -> int:
     kw = dict(max_model_len=1024, max_num_seqs=max(levels), max_num_batched_tokens=4096,
               load_format=args.load_format)  # fmt: skip
     if args.smoke:
-        args.tokens, levels = 70, [10]
-        kw.update(device="cpu", max_num_seqs=10)
+        args.tokens, levels = 70, [4]
+        kw.update(device="cpu", max_num_seqs=4)
     probing = dict(pair_spec(args), enable_adaptive_verification=True,
                    cost_table_path=costly_drafter_table())  # fmt: skip
     rows = []
