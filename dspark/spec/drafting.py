@@ -49,7 +49,7 @@ import numpy as np
 from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
 from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes
-from dspark.spec.rates import decode_rates, predicted_accepted, prefix_survival
+from dspark.spec.rates import PositionRatios, decode_rates, predicted_accepted, prefix_survival
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter
 # and by at least _MOVED_MIN requests: at c = 4 a request leaving or arriving moved 4 to 3 and
@@ -98,6 +98,9 @@ _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ra
 # drafting off on the underestimate where fixed K beat no speculation by 7%)
 _ACCEPT_MIN_STEPS = 16
 _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
+_POSITION_RATIO_BOUNDS = (0.25, 4.0)  # ... and a position's own (rates.PositionRatios), which
+# corrects the shape of the survival curve: far positions' confidences were off by up to ~3x
+# where the first position's were by ~1.35x (H100, trained pair, T = 0)
 
 
 class DraftingDecision(PlainProbes):
@@ -113,6 +116,8 @@ class DraftingDecision(PlainProbes):
         # per mode, decayed sums of (accepted drafts, the confidences' prediction of them)
         self._accepted = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self._accept_steps = {True: 0, False: 0}  # decision steps observed per mode
+        # ... and the same position by position, per mode (what `estimate` scales by)
+        self._by_position = {g: PositionRatios(k, _ACCEPT_DECAY) for g in (True, False)}
         self.updates = 0  # survival estimates and acceptance checks folded in (what `estimate`
         # answers changes only with these)
         self.pays = True
@@ -251,17 +256,23 @@ class DraftingDecision(PlainProbes):
         lengths = np.minimum(np.asarray(verified, dtype=np.int64)[rows], predicted.shape[1] - 1)
         ok = np.flatnonzero((num_out > 0) & (lengths > 0))
         if ok.size:
-            self.observe_acceptance(greedy, float(np.minimum(num_out[ok] - 1, lengths[ok]).sum()),
-                                    float(predicted[ok, lengths[ok]].sum()))  # fmt: skip
+            accepted, lengths = np.minimum(num_out[ok] - 1, lengths[ok]), lengths[ok]
+            self.observe_acceptance(greedy, float(accepted.sum()),
+                                    float(predicted[ok, lengths].sum()))  # fmt: skip
+            self._by_position[greedy].observe(accepted, lengths, predicted[ok])
 
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
-        accepted, predicted = self._accepted[greedy]
-        if predicted <= 0.0 or (predicted < _ACCEPT_MIN_PREDICTED
-                                and self._accept_steps[greedy] < _ACCEPT_MIN_STEPS):  # fmt: skip
+        if not self._ratio_measured(greedy):
             return 1.0
+        accepted, predicted = self._accepted[greedy]
         lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
         return min(max(accepted / predicted, lo), hi)
+
+    def _ratio_measured(self, greedy: bool) -> bool:
+        predicted = self._accepted[greedy][1]
+        return predicted > 0.0 and (predicted >= _ACCEPT_MIN_PREDICTED
+                                    or self._accept_steps[greedy] >= _ACCEPT_MIN_STEPS)
 
     def survival_of(self, greedy: bool) -> np.ndarray | None:
         """The mode's mean prefix survival per position as surveyed (else the other mode's),
@@ -269,14 +280,18 @@ class DraftingDecision(PlainProbes):
         return self._survival.get(greedy, self.survival)
 
     def estimate(self, greedy: bool) -> list[float] | None:
-        """The mode's mean prefix survival (else the other mode's), scaled by its acceptance
-        ratio and kept a non-increasing probability (K floats: see decode_rates)."""
+        """The mode's mean prefix survival (else the other mode's), scaled position by
+        position by its acceptance ratios (each position's where enough was predicted there,
+        else the one over all positions) and kept a non-increasing probability (K floats:
+        see decode_rates)."""
         survival = self.survival_of(greedy)
         if survival is None:
             return None
         ratio, out, low = self.acceptance_ratio(greedy), [], 1.0
-        for s in survival[: self.k].tolist():
-            low = min(low, max(s * ratio, 0.0))  # (clipped to [0, 1], non-increasing)
+        ratios = (self._by_position[greedy].ratios(ratio, _POSITION_RATIO_BOUNDS)
+                  if self._ratio_measured(greedy) else [ratio] * self.k)  # fmt: skip
+        for s, r in zip(survival[: self.k].tolist(), ratios):
+            low = min(low, max(s * r, 0.0))  # (clipped to [0, 1], non-increasing)
             out.append(low)
         return out
 
