@@ -79,7 +79,6 @@ def predicted_accepted(survival: np.ndarray) -> np.ndarray:
     return out
 
 
-
 class PositionRatios:
     """Drafts accepted against drafts predicted, position by position (decayed sums over the
     observed steps, verified positions only): how far a drafter's confidences are off at each
@@ -113,6 +112,7 @@ class PositionRatios:
         lo, hi = bounds
         return [min(max(a / p, lo), hi) if p >= self.MIN_PREDICTED else fallback
                 for a, p in zip(self.accepted.tolist(), self.predicted.tolist())]
+
 
 class RateMemo:
     """Decode rates (decode_rate) memoized per request-count group, each for `lifetime`

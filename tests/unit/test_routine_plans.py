@@ -31,8 +31,9 @@ def _state(obj) -> dict:
             v = (v.shape, tuple(v.ravel().tolist()))
         elif hasattr(v, "__dict__") and not callable(v):  # (a helper object: its state)
             v = _state(v)
-        elif isinstance(v, dict):
-            v = {kk: (tuple(vv.tolist()) if isinstance(vv, np.ndarray) else vv)
+        elif isinstance(v, dict):  # (arrays as tuples, helper objects as their state)
+            v = {kk: (tuple(vv.tolist()) if isinstance(vv, np.ndarray)
+                      else _state(vv) if hasattr(vv, "__dict__") and not callable(vv) else vv)
                  for kk, vv in v.items()}  # fmt: skip
         out[k] = v
     return out

@@ -33,6 +33,8 @@ RUNS = [
     ("host_step_cost plain", "test_host_step_cost_plain_steps_decide_nothing",
      "host_step_cost.py", ["--policy", "lagged", "--plain", *HOST_STEP]),
     ("profile_step", "test_profile_step_smoke", "profile_step.py", ["--smoke", "--out", "OUT"]),
+    ("survival_estimate", "test_survival_estimate_smoke", "survival_estimate.py",
+     ["--prompts", "8", "--concurrency", "4", "--tokens", "40"]),
     ("probe_cost", "test_probe_cost_smoke", "probe_cost.py", ["--smoke"]),
     ("profile_mixed", "test_profile_mixed_smoke", "profile_mixed.py",
      ["--smoke", "--out", "OUT", "--arms", "nospec,fixed"]),
@@ -131,6 +133,19 @@ def test_probe_cost_smoke(scripts):
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows.values())
     assert rows["nospec"][4] == "0" and int(rows["probing"][4]) >= 1  # probes counted
     assert rows["probing"][5] == "0"  # (graph steps)
+
+
+def test_survival_estimate_smoke(scripts):
+    """survival_estimate.py: the acceptance per position and the decision's estimate of it,
+    both probabilities that do not rise with the position."""
+    proc, _ = scripts.result("survival_estimate")
+    rows = {line.split(" per position")[0]: line for line in proc.stdout.splitlines()
+            if " per position" in line}  # fmt: skip
+    assert set(rows) == {"accepted", "estimate"}
+    for line in rows.values():
+        values = [float(v) for v in line[line.index("[") + 1 : line.index("]")].split()]
+        assert len(values) == 7 and all(1 >= a >= b >= 0 for a, b in zip(values, values[1:]))
+    assert re.search(r"absolute error, summed over positions: [0-9.]+$", proc.stdout, re.M)
 
 
 def test_profile_step_smoke(scripts):
