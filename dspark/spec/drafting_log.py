@@ -44,7 +44,8 @@ class FlipLog:
             spec_fixed: float, plain_fixed: float | None, measured_here: bool,
             survival: np.ndarray, ratio: float) -> None:  # fmt: skip
         """Drafting turned on (`pays`) or off at `num_sampling` requests on these rates (tok/ms),
-        fixed terms (ms), mean survival and acceptance ratio."""
+        fixed terms (ms), mean survival (as estimated: scaled position by position) and the
+        acceptance ratio over all positions."""
         quiet = not self._loud()
         if plain_fixed is None:
             plain = "unmeasured (the speculative term stands in)"
@@ -54,6 +55,7 @@ class FlipLog:
         logger.log(logging.DEBUG if quiet else logging.INFO,
                    FLIP_LOG_PREFIX + "%s at %d requests: best verify length "
                    "%.3f tok/ms vs plain decoding %.3f tok/ms; fixed terms: speculative %.3f ms, "
-                   "plain %s; mean survival %s (the confidences' x %.2f, accepted / predicted)",
+                   "plain %s; mean survival %s (the confidences' scaled by accepted / predicted "
+                   "per position; x %.2f over all positions)",
                    "on" if pays else "off", num_sampling, spec_rate, plain_rate, spec_fixed,
                    plain, [round(float(s), 2) for s in survival], ratio)  # fmt: skip
