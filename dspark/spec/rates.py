@@ -99,12 +99,20 @@ class PositionRatios:
     def observe(self, accepted: np.ndarray, lengths: np.ndarray, predicted: np.ndarray) -> None:
         """One step's rows: drafts accepted [n] of the lengths verified [n] (accepted <=
         length), and `predicted_accepted` of their confidences [n, K + 1]."""
-        verified = self._positions <= lengths[:, None]  # [n, K]
-        per_position = np.diff(predicted, axis=1)  # (each position's prefix survival)
+        # (a decision step's work: a histogram and column sums, not [n, K] masks, where
+        # every row verified all K, the usual case: 7-11 µs against 10-27 for 1-256 rows on
+        # the 2-core development machine)
+        k = self.accepted.size
         self.accepted *= self.decay
         self.predicted *= self.decay
-        self.accepted += (self._positions <= accepted[:, None]).sum(axis=0)
-        self.predicted += (per_position * verified).sum(axis=0)
+        rows_accepting = np.bincount(accepted, minlength=k + 1)  # exactly 0..K drafts
+        self.accepted += rows_accepting[::-1].cumsum()[::-1][1:]  # (at least 1..K)
+        if lengths.min() >= k:
+            column = predicted.sum(axis=0)  # (each position's prefix survival, summed)
+            self.predicted += column[1:] - column[:-1]
+        else:
+            verified = self._positions <= lengths[:, None]  # [n, K]
+            self.predicted += (np.diff(predicted, axis=1) * verified).sum(axis=0)
 
     def ratios(self, fallback: float, bounds: tuple[float, float]) -> list[float]:
         """Each position's ratio within `bounds`; `fallback` (the ratio over all positions)
