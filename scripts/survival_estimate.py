@@ -24,6 +24,10 @@ from dspark import LLM, SamplingParams  # noqa: E402
 DEMO = os.path.join(ROOT, "dspark", "assets", "demo")
 
 
+def _row(values) -> str:
+    return "[" + " ".join(f"{v:.3f}" for v in values) + "]"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -57,12 +61,12 @@ def main() -> int:
         steps += o.spec_decode["num_steps"]
     actual = accepted / steps
     print(f"T = {args.temperature:g}, {len(estimates)} full-batch decision steps")
-    print("accepted per position ", np.round(actual, 3), f"sum {actual.sum():.3f}")
+    print("accepted per position ", _row(actual), f"sum {actual.sum():.3f}")
     if not estimates:
         print("no decision step at a full batch: more prompts or tokens")
         return 1
     est = np.array(estimates[len(estimates) // 4 :]).mean(axis=0)
-    print("estimate per position ", np.round(est, 3), f"sum {est.sum():.3f}")
+    print("estimate per position ", _row(est), f"sum {est.sum():.3f}")
     print(f"absolute error, summed over positions: {np.abs(est - actual).sum():.3f}")
     return 0
 
