@@ -14,7 +14,9 @@
 #   probe   what draft probes cost while drafting is off (scripts/probe_cost.py, demo pair: no-spec
 #           against an adaptive engine that never drafts but for its probes), then the same in
 #           .snap when it holds a tree with that script (the code before a change, carried:
-#           an A/B on one machine; PROBE_ARGS, default --concurrency 16,32,64)
+#           an A/B on one machine; PROBE_ARGS, default --concurrency 16,32,64; leave
+#           .snap/dspark/assets out: the stage links this tree's, and a copy (24 MB) took the
+#           carried tree past the device's 64 MiB in the fifty-second session)
 #           -> $OUT/probe.log, $OUT/probe_snap.log
 #   mixed   steps with prefill chunks against decode / verify steps: launches, device time by
 #           phase and kernel (scripts/profile_mixed.py, demo pair, c = 128) -> $OUT/profile_mixed.txt
