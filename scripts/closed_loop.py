@@ -88,7 +88,10 @@ def _policy_counts(engine) -> dict | None:
     return {"steps_by_kind": dict(spec.step_counts), "plans": dict(spec.overhead.plans),
             "overhead_ms": {"plan": plan_ms, "alloc": alloc_ms},
             # (skip_idle_context_write: target tokens run again to rebuild context gaps)
-            "context": {"rebuilt_tokens": spec.rebuilt_tokens}}
+            "context": {"rebuilt_tokens": spec.rebuilt_tokens},
+            # (the drafting decision's verdicts: how many, and how far they put drafting
+            # ahead of plain decoding, as a sum of log ratios)
+            "verdicts": dict(spec.drafting.verdicts)}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,

@@ -137,6 +137,10 @@ class DraftingDecision(PlainProbes):
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
         self._flip_log = FlipLog()
+        # every verdict on real numbers: how many, and the sum of log(drafting's rate / plain
+        # decoding's) they priced (a run's delta says by how much its decisions expected
+        # drafting to win or lose: scripts/closed_loop.py, e2e_report.py's m)
+        self.verdicts = {"decisions": 0, "log_spec_over_plain": 0.0}
         # the last decision: could plain decoding at its cheapest (the table's bare forward,
         # less a negative fixed term if one was measured) beat drafting by the guard? If
         # not, no plain probe can turn drafting off, and probing would only cost tokens
@@ -366,6 +370,9 @@ class DraftingDecision(PlainProbes):
             return True
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
+        if spec > 0.0 and plain > 0.0:
+            self.verdicts["decisions"] += 1
+            self.verdicts["log_spec_over_plain"] += math.log(spec / plain)
         g = self.min_predicted_gain
         cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)  # probes
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)

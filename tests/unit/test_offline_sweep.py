@@ -240,7 +240,7 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
     shares = [r["scheduler_overhead"] for r in res["arms"]["adaptive3"]["by_temperature"]["1"]]
     assert lines[1] == ("adaptive3 offline scheduler overhead at T=1 (plan + alloc, % of step "
                         f"time): c=2 {shares[0]:.2%}, c=3 {shares[1]:.2%}")
-    cells = re.findall(r"(\d+)/(\d+)/(\d+)/(\d+) d\d+ v\d+", lines[0])
+    cells = re.findall(r"(\d+)/(\d+)/(\d+)/(\d+) d\d+(?: m[+-]\d+%)? v\d+", lines[0])
     assert len(cells) == 6 and "c=2 " in lines[0] and "c=3 " in lines[0]
     # each cell's steps by kind are its round's (run order), as the sweep counted them
     counted = [r["rounds_policy"] for r in res["arms"]["adaptive3"]["by_temperature"]["1"]]
@@ -369,3 +369,26 @@ def test_the_report_names_context_tokens_rebuilt_in_a_round_that_rebuilt_any(cap
     print_offline_policy(["adaptive7"], sweep)
     line = capsys.readouterr().out.splitlines()[0]
     assert line.endswith("c=4 90/2/8/1 d3 v40 r120, 90/2/8/1 d3 v0"), line
+
+
+def test_the_report_gives_by_how_much_the_verdicts_priced_drafting_ahead(capsys):
+    """m: the geometric mean of a round's drafting verdicts' rate ratios (drafting over
+    plain decoding), printed after its decisions; none where no verdict was priced."""
+    import math
+
+    from e2e_report import print_offline_policy
+
+    def policy(verdicts):
+        return {"steps_by_kind": {"plain": 0, "draft": 0, "verify": 100, "mixed": 2},
+                "plans": {"decision": 2}, "verdicts": verdicts}
+
+    ahead = {"decisions": 2, "log_spec_over_plain": math.log(1.10) + math.log(1.06)}
+    behind = {"decisions": 1, "log_spec_over_plain": math.log(0.86)}
+    level = {"max_concurrency": 16, "rounds_verified": [700.0, 690.0, 650.0],
+             "rounds_policy": [policy(ahead), policy(behind), policy({"decisions": 0,
+                                                                     "log_spec_over_plain": 0.0})]}
+    sweep = {"temperatures": [1.0], "arms": {"adaptive7": {"by_temperature": {"1": [level]}}}}
+    print_offline_policy(["adaptive7"], sweep)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.endswith("c=16 0/0/100/2 d2 m+8% v700, 0/0/100/2 d2 m-14% v690, "
+                         "0/0/100/2 d2 v650"), line
