@@ -160,12 +160,12 @@ if has step; then
   python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
 fi
 if has probe; then
-  python3 scripts/probe_cost.py ${PROBE_ARGS:---concurrency 16,32,64} 2>&1 \
-    | tee "$OUT/probe.log" | tail -8
+  # (the script's own default levels: --concurrency 16,32,64)
+  python3 scripts/probe_cost.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -8
   if [[ -f .snap/scripts/probe_cost.py ]]; then
     [[ -e .snap/dspark/assets ]] || ln -s ../../dspark/assets .snap/dspark/assets
-    (cd .snap && PYTHONPATH=$PWD python3 scripts/probe_cost.py ${PROBE_ARGS:---concurrency \
-      16,32,64}) 2>&1 | tee "$OUT/probe_snap.log" | tail -8
+    (cd .snap && PYTHONPATH=$PWD python3 scripts/probe_cost.py ${PROBE_ARGS:-}) 2>&1 \
+      | tee "$OUT/probe_snap.log" | tail -8
   fi
 fi
 if has mixed; then
