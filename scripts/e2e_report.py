@@ -293,6 +293,7 @@ def print_offline_table(names: list[str], sweep: dict, label: str = "") -> None:
             print(f"{n} offline engine's cost table: {done[n]['cost_table']}")
     print_offline_identity(names, sweep)
     print_offline_policy(names, sweep)
+    print_offline_steps(names, sweep)
 
 
 def print_offline_identity(names: list[str], sweep: dict) -> None:
@@ -334,6 +335,45 @@ def _margin(verdicts: dict | None) -> str:
     if not verdicts or not verdicts.get("decisions"):
         return ""
     return f" m{math.exp(verdicts['log_spec_over_plain'] / verdicts['decisions']) - 1:+.0%}"
+
+
+def _kind_ms(policy: dict) -> str | None:
+    """"-/0.51/0.87/1.20": a round's mean period of its steps by kind (STEP_KINDS order; "-"
+    where it ran none); None from runs before the engines kept them."""
+    ms, steps = policy.get("step_ms"), policy["steps_by_kind"]
+    if ms is None:
+        return None
+    return "/".join(f"{ms[k] / steps[k]:.3f}" if steps.get(k) else "-" for k in STEP_KINDS)
+
+
+def _survival(policy: dict) -> str:
+    """" s2.10/1.53/1.40": over a round's checked predictions, the drafts a row got accepted,
+    the decision's estimate of them and its confidences' (unscaled); "" where none."""
+    tally = policy.get("survival") or {}
+    rows = tally.get("rows")
+    if not rows:
+        return ""
+    return " s" + "/".join(f"{tally[k] / rows:.2f}" for k in ("accepted", "estimated", "raw"))
+
+
+def print_offline_steps(names: list[str], sweep: dict) -> None:
+    """Each speculative arm's mean step period by kind in every offline round (where a
+    speculative arm's time went beside another's: fifty-third session), and the survival
+    its decisions priced against what was accepted."""
+    for t in sweep["temperatures"]:
+        for n in names:
+            cells = []
+            for lv in arm_levels(sweep, n, t):
+                per_round = [_kind_ms(p) + _survival(p)
+                             for p in lv.get("rounds_policy") or [lv.get("policy")]
+                             if p is not None and _kind_ms(p) is not None]  # fmt: skip
+                if per_round:
+                    cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
+            if cells:
+                print(f"{n} offline at T={t:g}, each round's ms a step by kind "
+                      f"({' / '.join(STEP_KINDS)}; the engine's periods), and s: drafts a "
+                      "checked row got accepted / the decision's estimate / its confidences' "
+                      "(when any): " + "; ".join(cells))
 
 
 def print_offline_policy(names: list[str], sweep: dict) -> None:

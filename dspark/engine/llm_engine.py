@@ -237,6 +237,9 @@ class LLMEngine:
                 if not self.scheduler.has_unfinished():
                     outputs += self._deliver_outputs()
         period_ms = self._step_period_ms(t0)
+        spec = self.runner.spec
+        if launched is not None and spec is not None:  # (a call's period: its launched step's)
+            spec.step_ms[spec.last_kind] += period_ms
         # the whole step, host work included, is the cost: observed only when this call's
         # period is one step's (it committed one; a call committing two spans both: the switch
         # from steps scheduled ahead to one waited for) and no graph was captured

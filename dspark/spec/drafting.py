@@ -141,6 +141,10 @@ class DraftingDecision(PlainProbes):
         # decoding's) they priced (a run's delta says by how much its decisions expected
         # drafting to win or lose: scripts/closed_loop.py, e2e_report.py's m)
         self.verdicts = {"decisions": 0, "log_spec_over_plain": 0.0}
+        # every checked prediction (undecayed, for reports: no decision reads it): rows, and
+        # the drafts accepted at the lengths verified against those the rows' confidences
+        # predicted (raw) and the decision's estimate (scaled) did
+        self.tally = dict.fromkeys(("rows", "accepted", "raw", "estimated"), 0.0)
         # the last decision: could plain decoding at its cheapest (the table's bare forward,
         # less a negative fixed term if one was measured) beat drafting by the guard? If
         # not, no plain probe can turn drafting off, and probing would only cost tokens
@@ -261,9 +265,20 @@ class DraftingDecision(PlainProbes):
         ok = np.flatnonzero((num_out > 0) & (lengths > 0))
         if ok.size:
             accepted, lengths = np.minimum(num_out[ok] - 1, lengths[ok]), lengths[ok]
-            self.observe_acceptance(greedy, float(accepted.sum()),
-                                    float(predicted[ok, lengths].sum()))  # fmt: skip
+            raw = float(predicted[ok, lengths].sum())
+            self._tally(greedy, accepted, lengths, raw)  # (before this step moves the ratios)
+            self.observe_acceptance(greedy, float(accepted.sum()), raw)
             self._by_position[greedy].observe(accepted, lengths, predicted[ok])
+
+    def _tally(self, greedy: bool, accepted: np.ndarray, lengths: np.ndarray,
+               raw: float) -> None:
+        estimate = self.estimate(greedy)  # (what the decision priced this step's rows at)
+        tally = self.tally
+        tally["rows"] += accepted.size
+        tally["accepted"] += float(accepted.sum())
+        tally["raw"] += raw
+        if estimate is not None:
+            tally["estimated"] += float(np.cumsum(estimate)[lengths - 1].sum())
 
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""

@@ -227,6 +227,12 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
                 assert r["rounds_policy"] == [None] * 3 and r["rounds_verified"] == [None] * 3
             else:
                 assert all(sum(p["steps_by_kind"].values()) > 0 for p in r["rounds_policy"])
+                # every kind it ran took time, none it did not; the periods add up to no
+                # more than the round's own wall time (its turns)
+                for p, tput in zip(r["rounds_policy"], r["rounds"], strict=True):
+                    ran = {k for k, n in p["steps_by_kind"].items() if n}
+                    assert {k for k, ms in p["step_ms"].items() if ms > 0} == ran
+                    assert sum(p["step_ms"].values()) <= r["output_tokens"] / tput * 1e3
                 # (drafts verified a request: none where this CPU's policy held drafting off)
                 assert all(v >= 0 for v in r["rounds_verified"])
     assert res["arms"]["adaptive3"]["cost_table"] is not None
@@ -392,3 +398,25 @@ def test_the_report_gives_by_how_much_the_verdicts_priced_drafting_ahead(capsys)
     line = capsys.readouterr().out.splitlines()[0]
     assert line.endswith("c=16 0/0/100/2 d2 m+8% v700, 0/0/100/2 d2 m-14% v690, "
                          "0/0/100/2 d2 v650"), line
+
+
+def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_survival(capsys):
+    """Each speculative round's mean period of its steps by kind ("-" for a kind it ran
+    none of), and per checked row the drafts accepted / the decision's estimate / the
+    confidences' raw prediction; rounds from engines without those fields print nothing."""
+    from e2e_report import print_offline_steps
+
+    def policy(step_ms, survival=None):
+        p = {"steps_by_kind": {"plain": 0, "draft": 2, "verify": 100, "mixed": 4},
+             "plans": {"decision": 2}, "step_ms": step_ms}
+        return p if survival is None else {**p, "survival": survival}
+
+    ms = {"plain": 0.0, "draft": 1.0, "verify": 87.5, "mixed": 6.0}
+    tally = {"rows": 40.0, "accepted": 84.0, "estimated": 61.2, "raw": 56.0}
+    level = {"max_concurrency": 16, "rounds_policy": [
+        policy(ms, tally), policy(ms), {"steps_by_kind": {}, "plans": {}}]}
+    sweep = {"temperatures": [0.0], "arms": {"adaptive7": {"by_temperature": {"0": [level]}}}}
+    print_offline_steps(["adaptive7"], sweep)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("adaptive7 offline at T=0, each round's ms a step by kind")
+    assert line.endswith("c=16 -/0.500/0.875/1.500 s2.10/1.53/1.40, -/0.500/0.875/1.500"), line
