@@ -393,7 +393,7 @@ class DraftingDecision(PlainProbes):
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
-                         fixed.age("plain", num_sampling) < math.inf, survival,
+                         fixed.measured_at("plain", num_sampling), survival,
                          self.acceptance_ratio(fixed.greedy))  # fmt: skip
         # a dead band of the guard's width on each side of parity: once decided, drafting
         # turns off only where plain decoding wins by the guard, as it turns on only where

@@ -41,7 +41,7 @@ class FlipLog:
         return False
 
     def say(self, pays: bool, num_sampling: int, spec_rate: float, plain_rate: float,
-            spec_fixed: float, plain_fixed: float | None, measured_here: bool,
+            spec_fixed: float, plain_fixed: float | None, measured_at: float | None,
             survival: np.ndarray, ratio: float) -> None:  # fmt: skip
         """Drafting turned on (`pays`) or off at `num_sampling` requests on these rates (tok/ms),
         fixed terms (ms), mean survival (as estimated: scaled position by position) and the
@@ -50,7 +50,8 @@ class FlipLog:
         if plain_fixed is None:
             plain = "unmeasured (the speculative term stands in)"
         else:
-            where = "measured at this batch size" if measured_here else "another batch size's"
+            where = ("another batch size's" if measured_at is None
+                     else f"measured at {measured_at:.0f} requests")  # (its bucket's mean)
             plain = f"{plain_fixed:.3f} ms ({where})"
         logger.log(logging.DEBUG if quiet else logging.INFO,
                    FLIP_LOG_PREFIX + "%s at %d requests: best verify length "

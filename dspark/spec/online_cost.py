@@ -159,6 +159,8 @@ class FixedCosts:
         self.fallback = fallback
         self.steps = 0
         self._recent: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
+        # ... and the request counts of the steps in each window (measured_at)
+        self._recent_n: dict[str, dict[int, deque]] = {kind: {} for kind in KINDS}
         # fenced means of the windows, per kind and bucket (computed when read: _Terms)
         self._term: dict[str, _Terms] = {kind: _Terms(self._recent[kind]) for kind in KINDS}
         self._last: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}  # step last seen
@@ -183,12 +185,15 @@ class FixedCosts:
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return
-        window = self._recent[kind].get(b)
+        window, sizes = self._recent[kind].get(b), self._recent_n[kind].get(b)
         if kind == "trim" and self._stale_trims(b):
             window.clear()  # measured afresh: MIN_SAMPLES new steps before it prices trims
+            sizes.clear()
         if window is None:
             window = self._recent[kind][b] = deque(maxlen=WINDOW)
+            sizes = self._recent_n[kind][b] = deque(maxlen=WINDOW)
         window.append(residual_ms)
+        sizes.append(num_reqs)
         self._term[kind].mark(b)
         self._last[kind][b] = self.steps
 
@@ -217,6 +222,15 @@ class FixedCosts:
         share = self.plain_share(num_reqs)
         floor = 0.0 if share is None else max(share, 0.0) * spec_ms
         return floor if plain_ms is None else min(floor, plain_ms)
+
+    def measured_at(self, kind: str, num_reqs: int) -> float | None:
+        """The mean request count of the steps this kind's term at this batch size's own
+        bucket was learned from (None: none). A bucket spans up to 2x in requests and a
+        host-bound step's term grows with them: a plain term learned at 128 requests priced
+        plain steps at 251 at 0.6 ms where they took 1.9 (H100, trained pair, T = 0, c = 256,
+        fifty-third session)."""
+        sizes = self._recent_n[kind].get(size_bucket(num_reqs))
+        return sum(sizes) / len(sizes) if sizes else None
 
     def age(self, kind: str, num_reqs: int) -> float:
         """Observed steps since this kind was last measured at this very batch-size bucket

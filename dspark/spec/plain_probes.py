@@ -19,6 +19,16 @@ _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size buck
 # bucket in _PLAIN_RECENT plans
 _PLAIN_FRESH = 64
 _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
+# ... and only on one learned at about this batch size: its steps' mean request count within
+# this factor of the decision's (FixedCosts.measured_at)
+_PLAIN_NEAR = 1.25
+
+
+def plain_near(fixed: FixedCosts, num_sampling: int) -> bool:
+    """The plain term at this batch size's bucket was learned at about this many requests
+    (_PLAIN_NEAR): what a fresh term must also be before drafting turns off on it."""
+    at = fixed.measured_at("plain", num_sampling)
+    return at is not None and num_sampling / _PLAIN_NEAR <= at <= num_sampling * _PLAIN_NEAR
 
 
 class PlainProbes:
@@ -36,9 +46,10 @@ class PlainProbes:
     def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
                           prefill_tokens: int) -> bool:  # fmt: skip
         """A verdict for plain decoding while drafting rests on a plain steps' term not
-        measured at this batch size within the last _PLAIN_FRESH observed steps (or never),
-        and a plain probe can measure it now (a decode step; this bucket not probed in the
-        last _PLAIN_RECENT plans, so a probe whose steps went unobserved does not repeat).
+        measured at this batch size (its bucket, at about as many requests: plain_near)
+        within the last _PLAIN_FRESH observed steps (or never), and a plain probe can
+        measure it now (a decode step; this bucket not probed in the last _PLAIN_RECENT
+        plans, so a probe whose steps went unobserved does not repeat).
         The two terms are wall-clock window means, and a host-bound engine's host speed drifts:
         on the H200's host the same Python work took 0.9-2.2x as long from one second or
         CPU to the next (scripts/cpu_speed_map.py), so a speculative term measured in a slow
@@ -47,7 +58,7 @@ class PlainProbes:
         0.20 / 0.19; 434 plain steps of 2,370, each ~20% less productive)."""
         if not self.plain_probes or prefill_tokens > 0 or num_sampling == 0:
             return False
-        if fixed.age("plain", num_sampling) <= _PLAIN_FRESH:
+        if fixed.age("plain", num_sampling) <= _PLAIN_FRESH and plain_near(fixed, num_sampling):
             return False
         last = self._plain_probed.get((fixed.greedy, size_bucket(num_sampling)))
         return last is None or self._plans - last >= _PLAIN_RECENT

@@ -287,32 +287,32 @@ def test_one_request_more_or_less_does_not_force_a_decision():
     assert plan(40) and not plan(39) and plan(29)  # (40 -> 29: a quarter and 11 requests)
 
 
-def _slow_spell(plain_age: int):
-    """A drafting engine at 4 requests whose speculative steps' term jumps from 0.2 to 3 ms
-    (the host's slow spell: every step's wall time grows), its plain term measured at 0.2 ms
-    `plain_age` observed steps ago. Returns (decision, fixed terms, table, step) where
-    step(decide) runs one plan."""
+def _slow_spell(plain_age: int, reqs: int = 4, plain_reqs: int = 4, per_token: float = 0.01):
+    """A drafting engine at `reqs` requests whose speculative steps' term jumps from 0.2 to
+    3 ms (the host's slow spell: every step's wall time grows), its plain term measured at
+    0.2 ms `plain_age` observed steps ago, at `plain_reqs` requests. Returns (decision, fixed
+    terms, table, step) where step(decide) runs one plan."""
     import numpy as np
 
     from dspark.spec.drafting import DraftingDecision
     from dspark.spec.online_cost import WARMUP_STEPS, FixedCosts
 
-    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.2,
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=per_token, fixed_overhead_ms=0.2,
                               draft_base_ms=0.2, draft_ms_per_req=0.0)  # fmt: skip
     d, fixed = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True), FixedCosts()
     d._survival[True] = d.survival = np.array([0.5, 0.25, 0.12, 0.06])
     for _ in range(WARMUP_STEPS + 15):
-        fixed.observe("plain", 0.2, 4)
+        fixed.observe("plain", 0.2, plain_reqs)
     for _ in range(plain_age):
-        fixed.observe("spec", 0.2, 4)
+        fixed.observe("spec", 0.2, reqs)
 
     def step(decide: bool) -> bool:  # one plan (the decoder applies the spec term first)
-        cost.fixed_overhead_ms = fixed.speculative(4)
-        return d.after_plan(decide, cost, fixed, True, 4, 4, 0)[0]
+        cost.fixed_overhead_ms = fixed.speculative(reqs)
+        return d.after_plan(decide, cost, fixed, True, reqs, reqs, 0)[0]
 
-    assert step(True) and d.pays  # drafting wins: 4.8 against 3.2 tok/ms
+    assert step(True) and d.pays  # drafting wins (at 4 requests: 4.8 against 3.2 tok/ms)
     for _ in range(15):  # the slow spell: a window of speculative steps at 3 ms
-        fixed.observe("spec", 3.0, 4)
+        fixed.observe("spec", 3.0, reqs)
     return d, fixed, step
 
 
@@ -333,5 +333,27 @@ def test_drafting_turns_off_only_on_a_plain_term_of_the_same_moment():
     assert fixed.age("plain", 4) <= 2
 
     d, fixed, step = _slow_spell(plain_age=10)  # plain measured 10 steps ago: trusted
+    assert step(True) is True and d.pays  # one verdict against: stands (_FLIP_AFTER)
+    assert step(True) is False and not d.pays  # two: off, with no probe in between
+
+
+def test_drafting_turns_off_only_on_a_plain_term_learned_at_about_this_batch_size():
+    """A batch-size bucket spans up to 2x in requests, and a host-bound step's fixed term grows
+    with them (H100, trained pair, T = 0, c = 256: a plain term learned at 128 requests, 0.6
+    ms, priced plain steps at 251 that took 1.9 ms; drafting went off for 37 steps and the
+    level ran 9% behind fixed K). A fresh plain term from the same bucket but another batch
+    size sends the verdict to a plain probe at this one, as a stale term does."""
+    from dspark.spec.plain_probes import plain_near
+
+    d, fixed, step = _slow_spell(10, reqs=200, plain_reqs=128, per_token=0.001)  # one bucket
+    assert fixed.age("plain", 200) <= 30 and fixed.measured_at("plain", 200) == 128
+    assert not plain_near(fixed, 200)
+    assert step(True) is False and d.pays  # the verdict went to a plain probe, not a flip
+    for _ in range(12):  # the probe's steps, at 200 requests
+        fixed.observe("plain", 0.2, 200)
+        step(d.due(200))
+    assert plain_near(fixed, 200)  # (the window's mean: 3 steps at 128, 12 at 200)
+    d, fixed, step = _slow_spell(10, reqs=150, plain_reqs=128, per_token=0.001)  # within 1.25x
+    assert plain_near(fixed, 150)
     assert step(True) is True and d.pays  # one verdict against: stands (_FLIP_AFTER)
     assert step(True) is False and not d.pays  # two: off, with no probe in between
