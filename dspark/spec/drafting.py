@@ -48,7 +48,7 @@ import numpy as np
 
 from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes
+from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes, plain_near
 from dspark.spec.rates import PositionRatios, decode_rates, predicted_accepted, prefix_survival
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter
@@ -323,14 +323,18 @@ class DraftingDecision(PlainProbes):
         if decide:  # on decode steps' economics (prefill chunks come and go)
             routine = not self._forced
             verdict = self._pays(cost, fixed, num_sampling)
-            counted = not (not verdict and self.pays and online
-                           and self._plain_term_stale(fixed, num_sampling, prefill_tokens))
-            if not counted:  # measure plain steps now, then decide again on both terms
+            against = not verdict and self.pays and online
+            stale = against and self._plain_term_stale(fixed, num_sampling, prefill_tokens)
+            # nor does drafting turn off on a plain term learned at another batch size where
+            # no probe can measure this one now: the verdict waits (plain_near)
+            counted = not (stale or (against and self.plain_probes
+                                     and not plain_near(fixed, num_sampling)))  # fmt: skip
+            if stale:  # measure plain steps now, then decide again on both terms
                 self._plain_probe_left = _PLAIN_PROBE_STEPS
                 self._plain_probed[(fixed.greedy, size_bucket(num_sampling))] = self._plans
-            elif verdict == self.pays:
+            elif counted and verdict == self.pays:
                 self._against = 0
-            else:
+            elif counted:
                 self._against += 1
                 # (the first verdict on real numbers overrides the default state at once)
                 first = self._numbers is not None and not self._decided

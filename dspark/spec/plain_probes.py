@@ -20,7 +20,8 @@ _PLAIN_PROBE_EVERY = 512  # at most once per this many plans and batch-size buck
 _PLAIN_FRESH = 64
 _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # ... and only on one learned at about this batch size: its steps' mean request count within
-# this factor of the decision's (FixedCosts.measured_at)
+# this factor of the decision's (FixedCosts.measured_at); a verdict on a term from further off
+# runs a plain probe where one may, else it waits (DraftingDecision.after_plan)
 _PLAIN_NEAR = 1.25
 
 

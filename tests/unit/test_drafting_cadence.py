@@ -342,7 +342,8 @@ def test_drafting_turns_off_only_on_a_plain_term_learned_at_about_this_batch_siz
     with them (H100, trained pair, T = 0, c = 256: a plain term learned at 128 requests, 0.6
     ms, priced plain steps at 251 that took 1.9 ms; drafting went off for 37 steps and the
     level ran 9% behind fixed K). A fresh plain term from the same bucket but another batch
-    size sends the verdict to a plain probe at this one, as a stale term does."""
+    size sends the verdict to a plain probe at this one, as a stale term does; where no probe
+    can run (one just did), the verdict waits."""
     from dspark.spec.plain_probes import plain_near
 
     d, fixed, step = _slow_spell(10, reqs=200, plain_reqs=128, per_token=0.001)  # one bucket
@@ -353,6 +354,12 @@ def test_drafting_turns_off_only_on_a_plain_term_learned_at_about_this_batch_siz
         fixed.observe("plain", 0.2, 200)
         step(d.due(200))
     assert plain_near(fixed, 200)  # (the window's mean: 3 steps at 128, 12 at 200)
+    # a probe whose steps went unobserved (prefill chunks beside them, say): no probe again
+    # so soon, and the far term still turns nothing off, however many verdicts go against
+    d, fixed, step = _slow_spell(10, reqs=200, plain_reqs=128, per_token=0.001)
+    assert step(True) is False and d.pays  # the probe (its 12 plain steps)
+    assert [step(True) for _ in range(12)] == [False] * 11 + [True]  # (none observed)
+    assert all(step(True) for _ in range(6)) and d.pays
     d, fixed, step = _slow_spell(10, reqs=150, plain_reqs=128, per_token=0.001)  # within 1.25x
     assert plain_near(fixed, 150)
     assert step(True) is True and d.pays  # one verdict against: stands (_FLIP_AFTER)
