@@ -50,6 +50,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
         added += 1
 
     policy0 = _policy_counts(engine)  # (before the clock: it waits for device timers)
+    kinds0 = {kind: list(v) for kind, v in engine.step_kinds.items()}
     start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
     while added < min(concurrency, len(prompts)):
@@ -71,6 +72,9 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
             "steps": engine.stats["steps"] - steps0,
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
+            # steps launched and their periods (ms) by kind, every engine
+            "kinds": {kind: [n - kinds0[kind][0], ms - kinds0[kind][1]]
+                      for kind, (n, ms) in engine.step_kinds.items()},
             "policy": None if policy is None else {
                 part: {k: n - policy0[part][k] for k, n in counts.items()}
                 for part, counts in policy.items()}}  # fmt: skip
@@ -93,8 +97,8 @@ def _policy_counts(engine) -> dict | None:
             # ahead of plain decoding, as a sum of log ratios)
             "verdicts": dict(spec.drafting.verdicts),
             # (the checked predictions: drafts accepted against the confidences' and the
-            # decision's estimate of them; and the steps' periods by kind, ms)
-            "survival": dict(spec.drafting.tally), "step_ms": dict(spec.step_ms)}
+            # decision's estimate of them)
+            "survival": dict(spec.drafting.tally)}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,
@@ -219,6 +223,7 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "max_in_flight": max(run["held"], default=0),  # scheduler's running + waiting
         "spec_decode": spec,
         "policy": run["policy"],  # (_policy_counts' deltas over the run; None without)
+        "kinds": run["kinds"],  # ([steps, period ms] by kind of step over the run)
         "scheduler_overhead": _overhead_fraction(run),
         # prompt index -> its tokens, for the arms' T = 0 comparison (compare_tokens pops it)
         "_tokens": {int(o.request_id.rsplit("-", 1)[1]): list(o.outputs[0].token_ids)

@@ -337,19 +337,19 @@ def _margin(verdicts: dict | None) -> str:
     return f" m{math.exp(verdicts['log_spec_over_plain'] / verdicts['decisions']) - 1:+.0%}"
 
 
-def _kind_ms(policy: dict) -> str | None:
+def _kind_ms(kinds: dict | None) -> str | None:
     """"-/0.51/0.87/1.20": a round's mean period of its steps by kind (STEP_KINDS order; "-"
     where it ran none); None from runs before the engines kept them."""
-    ms, steps = policy.get("step_ms"), policy["steps_by_kind"]
-    if ms is None:
+    if not kinds:
         return None
-    return "/".join(f"{ms[k] / steps[k]:.3f}" if steps.get(k) else "-" for k in STEP_KINDS)
+    return "/".join(f"{kinds[k][1] / kinds[k][0]:.3f}" if kinds[k][0] else "-"
+                    for k in STEP_KINDS)  # fmt: skip
 
 
-def _survival(policy: dict) -> str:
+def _survival(policy: dict | None) -> str:
     """" s2.10/1.53/1.40": over a round's checked predictions, the drafts a row got accepted,
     the decision's estimate of them and its confidences' (unscaled); "" where none."""
-    tally = policy.get("survival") or {}
+    tally = (policy or {}).get("survival") or {}
     rows = tally.get("rows")
     if not rows:
         return ""
@@ -357,16 +357,18 @@ def _survival(policy: dict) -> str:
 
 
 def print_offline_steps(names: list[str], sweep: dict) -> None:
-    """Each speculative arm's mean step period by kind in every offline round (where a
-    speculative arm's time went beside another's: fifty-third session), and the survival
-    its decisions priced against what was accepted."""
+    """Each arm's mean step period by kind in every offline round (where an arm's time went
+    beside another's: fifty-third session), and the survival a speculative arm's decisions
+    priced against what was accepted."""
     for t in sweep["temperatures"]:
         for n in names:
             cells = []
             for lv in arm_levels(sweep, n, t):
-                per_round = [_kind_ms(p) + _survival(p)
-                             for p in lv.get("rounds_policy") or [lv.get("policy")]
-                             if p is not None and _kind_ms(p) is not None]  # fmt: skip
+                kinds = lv.get("rounds_kinds") or []
+                policies = lv.get("rounds_policy") or [None] * len(kinds)
+                per_round = [_kind_ms(k) + _survival(p)
+                             for k, p in zip(kinds, policies, strict=True)
+                             if _kind_ms(k) is not None]  # fmt: skip
                 if per_round:
                     cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
             if cells:

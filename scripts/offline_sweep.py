@@ -71,6 +71,7 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
     ordered = sorted(rounds, key=lambda r: r["output_throughput"])
     row = dict(ordered[(len(ordered) - 1) // 2], rounds=[r["output_throughput"] for r in rounds],
                rounds_policy=[r.get("policy") for r in rounds],
+               rounds_kinds=[r.get("kinds") for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
                                 for r in rounds],
                rounds_t0_identical=[r.get("t0_identical") for r in rounds],

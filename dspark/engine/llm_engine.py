@@ -31,6 +31,7 @@ from dspark.models.config import ModelConfig, parse_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling.rng import hash_ints
 from dspark.sampling_params import SamplingParams
+from dspark.spec.tracing import STEP_KINDS
 
 logger = logging.getLogger(__name__)
 # engines freeze their start-up objects (LLMEngine.__init__): let the interpreter's last
@@ -82,6 +83,8 @@ class LLMEngine:
         # what an output is: a RequestOutput (make_output), or an engine process's delta
         # (output_delta.py), and whose text the engine makes (needs_text: every output's)
         self.output_maker, self.output_text_for = make_output, needs_text
+        # steps launched and their periods (ms) by kind (STEP_KINDS; for reports)
+        self.step_kinds = {kind: [0, 0.0] for kind in STEP_KINDS}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
                       "step_time_ms": 0.0}  # fmt: skip
         # What exists now (libraries, modules, tensors, tokenizer: ~300k objects) lives as long
@@ -237,9 +240,11 @@ class LLMEngine:
                 if not self.scheduler.has_unfinished():
                     outputs += self._deliver_outputs()
         period_ms = self._step_period_ms(t0)
-        spec = self.runner.spec
-        if launched is not None and spec is not None:  # (a call's period: its launched step's)
-            spec.step_ms[spec.last_kind] += period_ms
+        if launched is not None:  # (a call's period: its launched step's)
+            spec = self.runner.spec
+            kind = self.step_kinds[self.runner.last_kind if spec is None else spec.last_kind]
+            kind[0] += 1
+            kind[1] += period_ms
         # the whole step, host work included, is the cost: observed only when this call's
         # period is one step's (it committed one; a call committing two spans both: the switch
         # from steps scheduled ahead to one waited for) and no graph was captured

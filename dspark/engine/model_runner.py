@@ -90,6 +90,7 @@ class ModelRunner:
         dummy = config.load_format == "dummy"
         self.backend = select_backend(config.attention_backend, device)
         self.spec = None
+        self.last_kind = "plain"  # the kind of the step launched last, without speculation
         with tensor_parallel(self.tp):  # layers built here are sharded over the group
             self.model = load_target(model_cfg, config.model, dtype, device, dummy)
             if config.speculative_config is not None:
@@ -218,6 +219,8 @@ class ModelRunner:
         the CPU, and under tensor parallelism, the work is done when this returns."""
         rows = sched.rows
         host = pack_step(rows, block_tables, self.block_size)
+        if self.spec is None:  # (a speculative step's kind: SpecDecoder.last_kind, at plan)
+            self.last_kind = "mixed" if host.get("max_query_len") > 1 else "plain"
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
         plan = self.spec.plan(host, sched.draft_room) if self.spec is not None else None
         if self.spec is not None and self.spec.skip_idle_write:

@@ -112,8 +112,6 @@ class SpecDecoder(StepPlanning):
         self.overhead = Overhead()  # scheduler overhead: planning (host), allocation
         self._no_drafts = False
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
-        # the engine's periods of the steps it launched, by their kind (ms; for reports)
-        self.step_ms = dict.fromkeys(STEP_KINDS, 0.0)
         self.last_kind = "plain"  # ... and the last one's
         self._fixed_by_mode = fixed_costs_by_mode()  # online fixed costs: greedy / sampled
         self._tables_context_ms = 0.0  # the context read the planner's device tables priced

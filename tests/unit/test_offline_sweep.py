@@ -227,14 +227,20 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
                 assert r["rounds_policy"] == [None] * 3 and r["rounds_verified"] == [None] * 3
             else:
                 assert all(sum(p["steps_by_kind"].values()) > 0 for p in r["rounds_policy"])
-                # every kind it ran took time, none it did not; the periods add up to no
-                # more than the round's own wall time (its turns)
-                for p, tput in zip(r["rounds_policy"], r["rounds"], strict=True):
-                    ran = {k for k, n in p["steps_by_kind"].items() if n}
-                    assert {k for k, ms in p["step_ms"].items() if ms > 0} == ran
-                    assert sum(p["step_ms"].values()) <= r["output_tokens"] / tput * 1e3
+                # the steps it launched by kind are those it planned, each taking time
+                for p, kinds in zip(r["rounds_policy"], r["rounds_kinds"], strict=True):
+                    assert {k: n for k, (n, _) in kinds.items()} == p["steps_by_kind"]
+                    assert all(ms > 0 for n, ms in kinds.values() if n)
                 # (drafts verified a request: none where this CPU's policy held drafting off)
                 assert all(v >= 0 for v in r["rounds_verified"])
+            assert sum(n for n, _ in r["kinds"].values()) == r["steps"]  # (the median round)
+            # every arm's periods by kind add up to no more than the round's own wall time
+            # (its turns); no-spec's steps are plain, or mixed where they carry prompt chunks
+            for kinds, tput in zip(r["rounds_kinds"], r["rounds"], strict=True):
+                assert sum(ms for _, ms in kinds.values()) <= r["output_tokens"] / tput * 1e3
+                if arm == "nospec":
+                    assert kinds["plain"][0] > 0 and kinds["mixed"][0] > 0
+                    assert kinds["draft"] == kinds["verify"] == [0, 0.0]
     assert res["arms"]["adaptive3"]["cost_table"] is not None
     # the report prints each speculative arm's rounds: 3 a level, the no-spec arm not at all
     from e2e_report import print_offline_policy
@@ -401,22 +407,22 @@ def test_the_report_gives_by_how_much_the_verdicts_priced_drafting_ahead(capsys)
 
 
 def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_survival(capsys):
-    """Each speculative round's mean period of its steps by kind ("-" for a kind it ran
-    none of), and per checked row the drafts accepted / the decision's estimate / the
-    confidences' raw prediction; rounds from engines without those fields print nothing."""
+    """Each round's mean period of its steps by kind ("-" for a kind it ran none of), every
+    arm's, and per checked row the drafts accepted / the decision's estimate / the
+    confidences' raw prediction; rounds from runs without those fields print nothing."""
     from e2e_report import print_offline_steps
 
-    def policy(step_ms, survival=None):
-        p = {"steps_by_kind": {"plain": 0, "draft": 2, "verify": 100, "mixed": 4},
-             "plans": {"decision": 2}, "step_ms": step_ms}
-        return p if survival is None else {**p, "survival": survival}
-
-    ms = {"plain": 0.0, "draft": 1.0, "verify": 87.5, "mixed": 6.0}
+    kinds = {"plain": [0, 0.0], "draft": [2, 1.0], "verify": [100, 87.5], "mixed": [4, 6.0]}
     tally = {"rows": 40.0, "accepted": 84.0, "estimated": 61.2, "raw": 56.0}
-    level = {"max_concurrency": 16, "rounds_policy": [
-        policy(ms, tally), policy(ms), {"steps_by_kind": {}, "plans": {}}]}
-    sweep = {"temperatures": [0.0], "arms": {"adaptive7": {"by_temperature": {"0": [level]}}}}
-    print_offline_steps(["adaptive7"], sweep)
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith("adaptive7 offline at T=0, each round's ms a step by kind")
-    assert line.endswith("c=16 -/0.500/0.875/1.500 s2.10/1.53/1.40, -/0.500/0.875/1.500"), line
+    level = {"max_concurrency": 16, "rounds_kinds": [kinds, kinds, None],
+             "rounds_policy": [{"survival": tally}, {}, {}]}
+    plain = {"plain": [200, 90.0], "draft": [0, 0.0], "verify": [0, 0.0], "mixed": [3, 2.4]}
+    nospec = {"max_concurrency": 16, "rounds_kinds": [plain], "rounds_policy": [None]}
+    sweep = {"temperatures": [0.0], "arms": {"adaptive7": {"by_temperature": {"0": [level]}},
+                                             "nospec": {"by_temperature": {"0": [nospec]}}}}
+    print_offline_steps(["nospec", "adaptive7"], sweep)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("nospec offline at T=0, each round's ms a step by kind")
+    assert lines[0].endswith("c=16 0.450/-/-/0.800"), lines[0]
+    assert lines[1].startswith("adaptive7 offline at T=0, each round's ms a step by kind")
+    assert lines[1].endswith("c=16 -/0.500/0.875/1.500 s2.10/1.53/1.40, -/0.500/0.875/1.500")
