@@ -224,13 +224,13 @@ class FixedCosts:
         return floor if plain_ms is None else min(floor, plain_ms)
 
     def measured_at(self, kind: str, num_reqs: int) -> float | None:
-        """The mean request count of the steps this kind's term at this batch size's own
-        bucket was learned from (None: none). A bucket spans up to 2x in requests and a
-        host-bound step's term grows with them: a plain term learned at 128 requests priced
-        plain steps at 251 at 0.6 ms where they took 1.9 (H100, trained pair, T = 0, c = 256,
-        fifty-third session)."""
+        """The mean request count of the steps this kind's term at this batch size was learned
+        from, where it is its own bucket's (MIN_SAMPLES steps there; None: another bucket's,
+        or none). A bucket spans up to 2x in requests and a host-bound step's term grows with
+        them: a plain term learned at 128 requests priced plain steps at 251 at 0.6 ms where
+        they took 1.9 (H100, trained pair, T = 0, c = 256, fifty-third session)."""
         sizes = self._recent_n[kind].get(size_bucket(num_reqs))
-        return sum(sizes) / len(sizes) if sizes else None
+        return sum(sizes) / len(sizes) if sizes and len(sizes) >= MIN_SAMPLES else None
 
     def age(self, kind: str, num_reqs: int) -> float:
         """Observed steps since this kind was last measured at this very batch-size bucket

@@ -583,3 +583,22 @@ def test_a_bucket_that_only_trims_prices_speculative_steps_by_its_trims():
         fc.observe("spec", 0.5, 128)
     assert fc.speculative(128) == pytest.approx(0.5)
     assert fc.trim_penalty_ms(0.5, 128) == pytest.approx(0.6)
+
+
+def test_a_term_names_the_batch_size_it_was_learned_at_once_its_own_buckets():
+    """FixedCosts.measured_at: the mean request count of the steps behind the term `get`
+    answers with at a batch size, while that term is its own bucket's (MIN_SAMPLES steps);
+    None while a neighbour's stands in."""
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    fc = FixedCosts()
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+        fc.observe("plain", 0.5, 64)  # bucket 64-127
+    for n in (130, 140, 150):
+        fc.observe("plain", 1.0, n)  # bucket 128-255: too few steps of its own yet
+    assert fc.get("plain", 250) == pytest.approx(0.5)  # (64's term stands in)
+    assert fc.measured_at("plain", 250) is None and fc.measured_at("plain", 100) == 64
+    for _ in range(MIN_SAMPLES - 3):
+        fc.observe("plain", 1.0, 250)
+    assert fc.get("plain", 250) == pytest.approx(1.0)
+    assert fc.measured_at("plain", 200) == pytest.approx((130 + 140 + 150 + 250 * 5) / 8)
