@@ -360,22 +360,27 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
     """Each arm's mean step period by kind in every offline round (where an arm's time went
     beside another's: fifty-third session), and the survival a speculative arm's decisions
     priced against what was accepted."""
+    def per_round(lv: dict) -> list[str]:
+        kinds = lv.get("rounds_kinds") or []
+        policies = lv.get("rounds_policy") or [None] * len(kinds)
+        return [_kind_ms(k) + _survival(p) for k, p in zip(kinds, policies, strict=True)
+                if _kind_ms(k) is not None]  # fmt: skip
+
     for t in sweep["temperatures"]:
         for n in names:
-            cells = []
-            for lv in arm_levels(sweep, n, t):
-                kinds = lv.get("rounds_kinds") or []
-                policies = lv.get("rounds_policy") or [None] * len(kinds)
-                per_round = [_kind_ms(k) + _survival(p)
-                             for k, p in zip(kinds, policies, strict=True)
-                             if _kind_ms(k) is not None]  # fmt: skip
-                if per_round:
-                    cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
-            if cells:
-                print(f"{n} offline at T={t:g}, each round's ms a step by kind "
-                      f"({' / '.join(STEP_KINDS)}; the engine's periods), and s: drafts a "
-                      "checked row got accepted / the decision's estimate / its confidences' "
-                      "(when any): " + "; ".join(cells))
+            _print_levels(f"{n} offline at T={t:g}, each round's ms a step by kind "
+                          f"({' / '.join(STEP_KINDS)}; the engine's periods), and s: drafts a "
+                          "checked row got accepted / the decision's estimate / its "
+                          "confidences' (when any): ", arm_levels(sweep, n, t), per_round)
+
+
+def _print_levels(head: str, levels: list[dict], per_round) -> None:
+    """`head`, then "c=C " and each level's rounds (per_round(level): strings), for the
+    levels with any; nothing where none has."""
+    cells = [f"c={lv['max_concurrency']} " + ", ".join(rounds)
+             for lv in levels if (rounds := per_round(lv))]  # fmt: skip
+    if cells:
+        print(head + "; ".join(cells))
 
 
 def print_offline_policy(names: list[str], sweep: dict) -> None:
@@ -383,31 +388,27 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
     steps by kind, drafting decisions, and drafts verified a request (the thing adaptive
     verification changes; forty-third session: a round lost at C = 256 had verified 698 a
     request against fixed K's 799)."""
+    def per_round(lv: dict) -> list[str]:
+        policies = lv.get("rounds_policy") or [lv.get("policy")]
+        verified = lv.get("rounds_verified") or [
+            (lv.get("spec_decode") or {}).get("verified_tokens_per_request")]
+        return [
+            "/".join(str(p["steps_by_kind"].get(k, 0)) for k in STEP_KINDS)
+            + f" d{p['plans'].get('decision', 0)}" + _margin(p.get("verdicts"))
+            + f" v{v:.0f}"
+            + (f" r{p['context']['rebuilt_tokens']}"
+               if p.get("context", {}).get("rebuilt_tokens") else "")
+            for p, v in zip(policies, verified, strict=True)
+            if p is not None and v is not None]  # fmt: skip
+
     for t in sweep["temperatures"]:
         for n in names:
             rows = arm_levels(sweep, n, t)
-            cells = []
-            for lv in rows:
-                policies = lv.get("rounds_policy") or [lv.get("policy")]
-                verified = lv.get("rounds_verified") or [
-                    (lv.get("spec_decode") or {}).get("verified_tokens_per_request")]
-                per_round = [
-                    "/".join(str(p["steps_by_kind"].get(k, 0)) for k in STEP_KINDS)
-                    + f" d{p['plans'].get('decision', 0)}" + _margin(p.get("verdicts"))
-                    + f" v{v:.0f}"
-                    + (f" r{p['context']['rebuilt_tokens']}"
-                       if p.get("context", {}).get("rebuilt_tokens") else "")
-                    for p, v in zip(policies, verified, strict=True)
-                    if p is not None and v is not None]  # fmt: skip
-                if per_round:
-                    cells.append(f"c={lv['max_concurrency']} " + ", ".join(per_round))
-            if cells:
-                print(f"{n} offline at T={t:g}, each round's steps by kind "
-                      f"({' / '.join(STEP_KINDS)}), decisions d (m: by how much their "
-                      "verdicts priced drafting ahead of plain decoding, geometric mean), "
-                      "drafts verified a request v"
-                      ", context tokens rebuilt r (when any): "
-                      + "; ".join(cells))
+            _print_levels(f"{n} offline at T={t:g}, each round's steps by kind "
+                          f"({' / '.join(STEP_KINDS)}), decisions d (m: by how much their "
+                          "verdicts priced drafting ahead of plain decoding, geometric mean), "
+                          "drafts verified a request v, context tokens rebuilt r (when any): ",
+                          rows, per_round)
             shares = [(lv["max_concurrency"], lv.get("scheduler_overhead")) for lv in rows]
             if any(x is not None for _, x in shares):  # (the median round's, per level)
                 print(f"{n} offline scheduler overhead at T={t:g} (plan + alloc, % of step "
