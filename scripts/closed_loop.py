@@ -95,10 +95,10 @@ def _policy_counts(engine) -> dict | None:
             "context": {"rebuilt_tokens": spec.rebuilt_tokens},
             # (the drafting decision's verdicts: how many, and how far they put drafting
             # ahead of plain decoding, as a sum of log ratios)
-            "verdicts": dict(spec.drafting.verdicts),
+            "verdicts": dict(spec.drafting.record.verdicts),
             # (the checked predictions: drafts accepted against the confidences' and the
             # decision's estimate of them)
-            "survival": dict(spec.drafting.tally)}
+            "survival": dict(spec.drafting.record.tally)}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,

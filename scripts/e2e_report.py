@@ -356,20 +356,32 @@ def _survival(policy: dict | None) -> str:
     return " s" + "/".join(f"{tally[k] / rows:.2f}" for k in ("accepted", "estimated", "raw"))
 
 
+def _priced(policy: dict | None) -> str:
+    """" p0.639/1.470": the plain and verify-all step times (ms) a round's drafting verdicts
+    priced, on average (beside the measured periods: which side a verdict erred on); ""
+    where it priced none, or ran before the verdicts kept them."""
+    v = (policy or {}).get("verdicts") or {}
+    n = v.get("decisions")
+    if not n or "verify_ms" not in v:
+        return ""
+    return f" p{v['plain_ms'] / n:.3f}/{v['verify_ms'] / n:.3f}"
+
+
 def print_offline_steps(names: list[str], sweep: dict) -> None:
     """Each arm's mean step period by kind in every offline round (where an arm's time went
-    beside another's: fifty-third session), and the survival a speculative arm's decisions
-    priced against what was accepted."""
+    beside another's: fifty-third session), and what a speculative arm's decisions priced
+    (plain and verify-all steps; the survival against what was accepted)."""
     def per_round(lv: dict) -> list[str]:
         kinds = lv.get("rounds_kinds") or []
         policies = lv.get("rounds_policy") or [None] * len(kinds)
-        return [_kind_ms(k) + _survival(p) for k, p in zip(kinds, policies, strict=True)
-                if _kind_ms(k) is not None]  # fmt: skip
+        return [_kind_ms(k) + _priced(p) + _survival(p)
+                for k, p in zip(kinds, policies, strict=True) if _kind_ms(k) is not None]
 
     for t in sweep["temperatures"]:
         for n in names:
             _print_levels(f"{n} offline at T={t:g}, each round's ms a step by kind "
-                          f"({' / '.join(STEP_KINDS)}; the engine's periods), and s: drafts a "
+                          f"({' / '.join(STEP_KINDS)}; the engine's periods), p: the plain / "
+                          "verify-all step ms its drafting verdicts priced, and s: drafts a "
                           "checked row got accepted / the decision's estimate / its "
                           "confidences' (when any): ", arm_levels(sweep, n, t), per_round)
 

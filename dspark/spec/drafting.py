@@ -46,6 +46,7 @@ import time
 
 import numpy as np
 
+from dspark.spec.decision_record import DecisionRecord
 from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
 from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes, plain_near
@@ -137,14 +138,8 @@ class DraftingDecision(PlainProbes):
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
         self._flip_log = FlipLog()
-        # every verdict on real numbers: how many, and the sum of log(drafting's rate / plain
-        # decoding's) they priced (a run's delta says by how much its decisions expected
-        # drafting to win or lose: scripts/closed_loop.py, e2e_report.py's m)
-        self.verdicts = {"decisions": 0, "log_spec_over_plain": 0.0}
-        # every checked prediction (undecayed, for reports: no decision reads it): rows, and
-        # the drafts accepted at the lengths verified against those the rows' confidences
-        # predicted (raw) and the decision's estimate (scaled) did
-        self.tally = dict.fromkeys(("rows", "accepted", "raw", "estimated"), 0.0)
+        # its verdicts and checked predictions, summed for reports (decision_record.py)
+        self.record = DecisionRecord()
         # the last decision: could plain decoding at its cheapest (the table's bare forward,
         # less a negative fixed term if one was measured) beat drafting by the guard? If
         # not, no plain probe can turn drafting off, and probing would only cost tokens
@@ -266,19 +261,10 @@ class DraftingDecision(PlainProbes):
         if ok.size:
             accepted, lengths = np.minimum(num_out[ok] - 1, lengths[ok]), lengths[ok]
             raw = float(predicted[ok, lengths].sum())
-            self._tally(greedy, accepted, lengths, raw)  # (before this step moves the ratios)
+            # (what the decision priced these rows at: before this step moves the ratios)
+            self.record.checked(self.estimate(greedy), accepted, lengths, raw)
             self.observe_acceptance(greedy, float(accepted.sum()), raw)
             self._by_position[greedy].observe(accepted, lengths, predicted[ok])
-
-    def _tally(self, greedy: bool, accepted: np.ndarray, lengths: np.ndarray,
-               raw: float) -> None:
-        estimate = self.estimate(greedy)  # (what the decision priced this step's rows at)
-        tally = self.tally
-        tally["rows"] += accepted.size
-        tally["accepted"] += float(accepted.sum())
-        tally["raw"] += raw
-        if estimate is not None:
-            tally["estimated"] += float(np.cumsum(estimate)[lengths - 1].sum())
 
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
@@ -390,8 +376,8 @@ class DraftingDecision(PlainProbes):
         plain_fixed = fixed.get("plain", num_sampling)
         plain, spec = decode_rates(cost, survival, num_sampling, plain_fixed)
         if spec > 0.0 and plain > 0.0:
-            self.verdicts["decisions"] += 1
-            self.verdicts["log_spec_over_plain"] += math.log(spec / plain)
+            self.record.verdict(spec, plain, num_sampling, cost.add_fixed(
+                cost.decode_variable(num_sampling, self.k)[1][-1]))  # fmt: skip
         g = self.min_predicted_gain
         cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)  # probes
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)

@@ -68,19 +68,19 @@ def test_a_position_with_too_little_predicted_takes_the_overall_ratio():
 
 
 def test_the_tally_pairs_what_was_accepted_with_what_the_decision_priced():
-    """DraftingDecision.tally (undecayed, for reports): per checked row, the drafts accepted
+    """DraftingDecision.record.tally (undecayed, for reports): per checked row, the drafts accepted
     at the lengths verified against the confidences' raw prediction and the decision's
     estimate as it stood when the step was decided (before the step's own outcome moved the
     ratios), so a run shows whether the survival it priced tracked what was accepted."""
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     _observe(d, steps=3)  # the ratios measured: the estimate is scaled
-    before = dict(d.tally)
+    before = dict(d.record.tally)
     rows, lengths = 1000, 3  # this step's rows accept fewer drafts than the earlier ones
     accepted = np.minimum(_rows_accepting(TRUE_SURVIVAL**2, rows), lengths)
     prediction = d.survey(np.arange(rows), np.full((rows, 4), CONFIDENCE), True)
     priced = np.cumsum(d.estimate(True))  # (the survey folded the rows in)
     d.check_prediction(prediction, [[7] * (1 + a) for a in accepted], [lengths] * rows)
-    delta = {k: d.tally[k] - before[k] for k in before}
+    delta = {k: d.record.tally[k] - before[k] for k in before}
     assert delta["rows"] == rows
     assert delta["accepted"] == accepted.sum()
     assert delta["raw"] == pytest.approx(rows * (0.7 + 0.49 + 0.343))
