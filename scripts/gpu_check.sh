@@ -33,7 +33,8 @@
 #           lease saying warm): train and serve in one call (STAGES=train,e2e)
 #   e2e     three-arm serving sweep on out/pair                        -> $OUT/e2e_*
 #   step_pair  scripts/profile_step.py on out/pair (after train; STEP_PAIR_ARGS, default
-#           nospec and fixed K at T = 1, C = 64)                        -> $OUT/step_pair.log
+#           nospec, fixed K and fixed K with the one-program sampling kernel at T = 1,
+#           C = 64)                                                    -> $OUT/step_pair.log
 #   e2e_nosplit  the same run with DSPARK_ATTENTION_SPLITS=0 (NOSPLIT_DEADLINE)  -> $OUT/e2e_nosplit*
 #           (the .tgz holds its log: e2e, e2e_nosplit, train and the clock log pass $OUT's
 #           8-file cap; tar the small ones after the script, as the forty-eighth session did)
@@ -261,12 +262,14 @@ if has e2e_nosplit; then
 fi
 if has step_pair; then
   # where the trained pair's steps go (after train; STAGES=train,e2e,step_pair): no-spec's
-  # against fixed K's at T = 1, C = 64 by default, device span and kernels per step. On the
-  # H100 hosts of the fifty-third session a fixed-K verify step there took 1.42 ms against
-  # no-spec's 0.63 (plain) for a 33.6 M target: what the speculative step adds is the question
+  # against fixed K's at T = 1, C = 64 by default, device span and kernels per step, and fixed
+  # K's again with the one-program sampling kernel (DSPARK_ONE_PASS_SAMPLING, not yet measured).
+  # On the H100 hosts of the fifty-third session a fixed-K verify step there took 1.42 ms
+  # against no-spec's 0.63 (plain) for a 33.6 M target: what the speculative step adds is
+  # the question
   timeout -k 10 ${STEP_PAIR_TIMEOUT:-150} python3 scripts/profile_step.py \
     --target out/pair/main/target --drafter out/pair/main/drafter \
-    ${STEP_PAIR_ARGS:---arms nospec,fixed --temperatures 1 --concurrency 64 \
+    ${STEP_PAIR_ARGS:---arms nospec,fixed,fixed_onepass --temperatures 1 --concurrency 64 \
       --profile-concurrency 64 --prompt-len 512} --out /tmp/step_pair > "$OUT/step_pair.log" 2>&1
   cat /tmp/step_pair/profile_step.txt >> "$OUT/step_pair.log" 2>/dev/null  # ($OUT: one file)
   tail -30 "$OUT/step_pair.log"

@@ -252,7 +252,8 @@ def main() -> int:
     ap.add_argument("--arms", default="nospec,fixed",
                     help="from nospec,fixed,adaptive,plain (adaptive, drafting held off),"
                          "plain_skip (plain, writing no drafter context: "
-                         "skip_idle_context_write),drafting (adaptive, drafting held on)")
+                         "skip_idle_context_write),drafting (adaptive, drafting held on); "
+                         "any with _onepass: with the one-program sampling kernel")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
@@ -275,8 +276,15 @@ def main() -> int:
             "drafting": dict(base, enable_adaptive_verification=True, draft_skipping=False)}
     temps = [float(t) for t in args.temperatures.split(",")]
     rows, reports, timers = [], [], []
+    from dspark.sampling import softmax_sample_triton
+
+    one_pass_default = softmax_sample_triton.ONE_PROGRAM  # (DSPARK_ONE_PASS_SAMPLING)
     for arm in args.arms.split(","):
-        spec = arms[arm]
+        # "<arm>_onepass": that arm with the one-program sampling kernel (vocabularies up to
+        # its ONE_PROGRAM_MAX_VOCAB), an A/B in one process
+        one_pass = arm.endswith("_onepass")
+        spec = arms[arm.removesuffix("_onepass")]
+        softmax_sample_triton.ONE_PROGRAM = one_pass or one_pass_default
         with LLM(args.target, speculative_config=spec, **kw) as llm:
             if arm.startswith("plain"):  # drafting held off: no probes, and no decision
                 # (the survival never gets known, so one would be due every step). Its timed

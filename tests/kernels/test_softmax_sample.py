@@ -127,6 +127,17 @@ def test_qwen_vocabulary_on_cuda():
     assert torch.equal(tokens.cpu(), want_tok)
 
 
+class _Counted:
+    """kernel[grid](...) through the real kernel, its name noted in `seen`."""
+
+    def __init__(self, real, name, seen):
+        self.real, self.name, self.seen = real, name, seen
+
+    def __getitem__(self, grid):
+        self.seen.append(self.name)
+        return self.real[grid]
+
+
 def _torch_sample_softmax(base, bias, temperature, u, eps, tokens, probs=None, block=None):
     """The torch path the kernel replaces (its reference in the engine test below)."""
     law, tok = reference(base, bias, temperature, u)
@@ -135,17 +146,23 @@ def _torch_sample_softmax(base, bias, temperature, u, eps, tokens, probs=None, b
         probs.copy_(law)
 
 
-@pytest.mark.parametrize("spec", [None, "probabilistic"])
+@pytest.mark.parametrize("spec,one_program", [(None, False), ("probabilistic", False),
+                                               ("probabilistic", True)])  # fmt: skip
 def test_an_engine_samples_the_same_through_the_kernels(tiny_qwen, tmp_path, monkeypatch,
-                                                        spec):  # fmt: skip
+                                                        spec, one_program):  # fmt: skip
     """An engine at T = 1 (plain sampling; or probabilistic drafts, verification with
     residuals) gives the same tokens with the sampling kernels as with the torch paths they
-    replace: the engine's buffers, row indices and strides reach the kernels as they expect.
-    Only the sampling call sites are opened to the interpreter (the model runs its torch
-    code in both runs)."""
+    replace: the engine's buffers, row indices and strides reach the kernels as they expect
+    (also the one-program kernel's, DSPARK_ONE_PASS_SAMPLING). Only the sampling call sites
+    are opened to the interpreter (the model runs its torch code in both runs)."""
     if HAS_CUDA:
         pytest.skip("CPU engine through the interpreter; CUDA runs the engine tests")
     import dspark.sampling.softmax_sample_triton as kernel
+
+    monkeypatch.setattr(kernel, "ONE_PROGRAM", one_program)
+    launched = []  # (the kernels the sampling calls ran: one program, or the chunked three)
+    for name in ("_one_program_kernel", "_stats_kernel"):
+        monkeypatch.setattr(kernel, name, _Counted(getattr(kernel, name), name, launched))
     import dspark.spec.verify as verify_mod
     from dspark import LLM, SamplingParams
     from dspark.testing.drafters import make_tiny_drafter
@@ -185,6 +202,10 @@ def test_an_engine_samples_the_same_through_the_kernels(tiny_qwen, tmp_path, mon
     monkeypatch.setattr(kernel, "sample_softmax", lambda *a, **k: calls.append(1) or real(*a))
     fused = run()
     assert calls  # the sampler (and the drafter) took the kernel
+    # every sampling call on the kernel the switch picks (the chunked stats pass also serves
+    # verification's per-row reads, draft_prob_and_argmax, either way)
+    ones = launched.count("_one_program_kernel")
+    assert ones >= len(calls) if one_program else ones == 0 and "_stats_kernel" in launched
     if cfg is not None:  # verification took its kernels, and drafts were accepted
         assert {"_fused_row_stats", "_fused_final"} <= set(used) and fused[1] > 0
     monkeypatch.setattr(kernel, "sample_softmax", _torch_sample_softmax)
