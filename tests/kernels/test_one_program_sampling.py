@@ -98,3 +98,15 @@ def test_the_switch_and_the_vocabulary_pick_the_one_program_kernel(monkeypatch):
     launched.clear()
     _slot(None, base, bias, temperature, u)
     assert launched == ["_stats_kernel"]
+
+
+@env.cuda_only
+@pytest.mark.parametrize("rows,vocab", [(64, 16384), (256, 65536)])
+def test_full_sizes_on_cuda(rows, vocab):
+    """The demo pair's vocabulary at 64 rows and the largest the switch takes at 256, compiled:
+    bit for bit the three kernels with a chunk a row, and the torch path's tokens."""
+    base, bias, temperature, u = case(rows, vocab, torch.bfloat16, rows, True)
+    got_p, got_tok = _slot("one_program", base, bias, temperature, u, block=2048)
+    want_p, want_tok = _slot("one_chunk", base, bias, temperature, u, block=2048)
+    assert torch.equal(got_p, want_p) and torch.equal(got_tok, want_tok)
+    assert torch.equal(got_tok, reference(base, bias, temperature, u)[1])
