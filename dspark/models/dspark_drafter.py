@@ -271,10 +271,10 @@ class DSparkDrafter(nn.Module):
                     torch.cat([h_k, prev_emb.to(h_k.dtype)], dim=-1)
                 )
                 conf_logits[:, k] = self.confidence_head(feats)
-            if fused and probabilistic:
-                u = rng.uniform(seeds, anchor_pos + (k + 1), rounds, rng.DRAFT)
-                softmax_sample_triton.sample_softmax(base_logits[:, k], bias, temperature, u,
-                                                     GREEDY_EPS, token_ids[:, k], probs[:, k])
+            if fused and probabilistic:  # (the uniform drawn in the kernel where it can)
+                softmax_sample_triton.sample_draft_slot(
+                    base_logits[:, k], bias, temperature, seeds, anchor_pos, k + 1, rounds,
+                    rng.DRAFT, GREEDY_EPS, token_ids[:, k], probs[:, k])  # fmt: skip
                 prev = token_ids[:, k]
                 continue
             if fused and (bias is None or bias.dtype == base_logits.dtype):

@@ -42,6 +42,20 @@ def _absorb(h, key, FIRST: tl.constexpr):
     return _mix32(h ^ _mix32((hi + 0x9E3779B9) & 0xFFFFFFFF))
 
 
+@triton.jit
+def uniform_of(seed, pos, rnd, purpose):
+    """The uniform (fp64) of int64 keys (scalars or blocks alike; rng.uniform's bits), for
+    kernels that draw in place (softmax_sample_triton's one-program kernel)."""
+    h = _absorb(tl.zeros_like(seed).to(tl.uint64), seed, True)
+    h = _absorb(h, pos, False)
+    h = _absorb(h, rnd, False)
+    h = _absorb(h, tl.zeros_like(seed) + purpose, False)
+    h2 = _mix32(h ^ 0x5BD1E995)
+    hi = (h >> 8).to(tl.float64)
+    lo = (h2 >> 8).to(tl.float64)
+    return (hi * 16777216.0 + lo + 0.5) / 281474976710656.0
+
+
 @triton.jit(**unspecialized("seed_ptr", "pos_ptr", "round_ptr", "n", "purpose"))
 def _uniform_kernel(seed_ptr, pos_ptr, round_ptr, out_ptr, n, purpose, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -49,15 +63,7 @@ def _uniform_kernel(seed_ptr, pos_ptr, round_ptr, out_ptr, n, purpose, BLOCK: tl
     seed = tl.load(seed_ptr + offs, mask=mask, other=0)
     pos = tl.load(pos_ptr + offs, mask=mask, other=0)
     rnd = tl.load(round_ptr + offs, mask=mask, other=0)
-    h = _absorb(tl.zeros_like(offs).to(tl.uint64), seed, True)
-    h = _absorb(h, pos, False)
-    h = _absorb(h, rnd, False)
-    h = _absorb(h, tl.zeros_like(seed) + purpose, False)
-    h2 = _mix32(h ^ 0x5BD1E995)
-    hi = (h >> 8).to(tl.float64)
-    lo = (h2 >> 8).to(tl.float64)
-    u = (hi * 16777216.0 + lo + 0.5) / 281474976710656.0
-    tl.store(out_ptr + offs, u, mask=mask)
+    tl.store(out_ptr + offs, uniform_of(seed, pos, rnd, purpose), mask=mask)
 
 
 def uniform(

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.sampling.rng_triton import uniform_of
 from dspark.sampling.softmax_sample_passes import (
     _base_row,
     _pick_pass,
@@ -176,13 +177,16 @@ def draft_prob_and_argmax(logits: torch.Tensor, temperature: torch.Tensor, token
 @triton.jit(**unspecialized("stride_base", "stride_bias", "stride_probs", "stride_out",
                             "stride_q"))  # fmt: skip
 def _one_program_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, u_ptr, probs_ptr, out_ptr,
-                        q_ptr, qrows_ptr, d_ptr, w_ptr, res_ptr, stride_base, stride_bias,
-                        stride_probs, stride_out, stride_q, vocab, chunk, eps,
-                        HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, STORE: tl.constexpr,
-                        RES: tl.constexpr, HAS_Q: tl.constexpr,
+                        q_ptr, qrows_ptr, d_ptr, w_ptr, res_ptr, seed_ptr, pos_ptr, round_ptr,
+                        stride_base, stride_bias, stride_probs, stride_out, stride_q, vocab,
+                        chunk, eps, pos_offset, purpose, HAS_BIAS: tl.constexpr,
+                        HAS_ROWS: tl.constexpr, STORE: tl.constexpr, RES: tl.constexpr,
+                        HAS_Q: tl.constexpr, KEYED: tl.constexpr,
                         BLOCK: tl.constexpr):  # fmt: skip
     """The three passes of one row in one program (the row one chunk): what the three kernels
-    compute with one chunk a row, number for number, in one launch."""
+    compute with one chunk a row, number for number, in one launch. KEYED: the row's uniform
+    drawn here from its keys (seed, position + pos_offset, round, purpose: rng.uniform's
+    bits) instead of read from u_ptr."""
     row = tl.program_id(0)
     brow = _base_row(rows_ptr, row, HAS_ROWS)
     t = tl.load(temp_ptr + row)
@@ -200,7 +204,12 @@ def _one_program_kernel(base_ptr, bias_ptr, rows_ptr, temp_ptr, u_ptr, probs_ptr
     use_res = False
     if RES:  # (as _pick_kernel decides)
         use_res = (tl.load(res_ptr + row) != 0) & (acc_r > 0) & (acc_r < float("inf"))
-    target = tl.load(u_ptr + row) * tl.where(use_res, acc_r, acc_p)
+    if KEYED:
+        u = uniform_of(tl.load(seed_ptr + row), tl.load(pos_ptr + row) + pos_offset,
+                       tl.load(round_ptr + row), purpose)  # fmt: skip
+    else:
+        u = tl.load(u_ptr + row)
+    target = u * tl.where(use_res, acc_r, acc_p)
     tok = _pick_pass(base_ptr, bias_ptr, brow, row, 0, chunk, vocab, stride_base, stride_bias,
                      t, big, total, greedy, amax, q_ptr, qrow, stride_q, d, w, use_res,
                      tl.full((), 0.0, tl.float64), target, HAS_BIAS, RES, HAS_Q,
@@ -216,25 +225,33 @@ ONE_PROGRAM = os.environ.get("DSPARK_ONE_PASS_SAMPLING", "0") == "1"
 ONE_PROGRAM_MAX_VOCAB = 65536
 
 
+def one_program(vocab: int) -> bool:
+    """Whether a vocabulary this wide takes the one-program kernel (ONE_PROGRAM)."""
+    return ONE_PROGRAM and vocab <= ONE_PROGRAM_MAX_VOCAB
+
+
 def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, w, res,
-            block, mode=None):  # fmt: skip
+            block, mode=None, keys=None):  # fmt: skip
     """The three passes over `tokens.shape[0]` rows (see sample_softmax / sample_final).
     `mode`: "chunks" (three kernels, the rows split into chunks: vocab_chunks), "one_chunk"
     (three kernels, a chunk a row), "one_program" (one kernel, a program a row); None: by
-    ONE_PROGRAM and the vocabulary."""
+    `one_program`. `keys` (one_program only, u None): (seeds, positions, rounds, position
+    offset, purpose), each row's uniform drawn in the kernel."""
     n, vocab = tokens.shape[0], base.shape[1]
     assert base.stride(1) == 1 and tokens.dtype == torch.int64
     if n == 0:
         return
     if mode is None:
-        mode = "one_program" if ONE_PROGRAM and vocab <= ONE_PROGRAM_MAX_VOCAB else "chunks"
+        mode = "one_program" if one_program(vocab) else "chunks"
+    assert (keys is None) != (u is None) and (keys is None or mode == "one_program")
     dev = base.device
     block, chunk, num_chunks = vocab_chunks(n, vocab, block)
     if mode != "chunks":
         chunk, num_chunks = triton.cdiv(vocab, block) * block, 1
     block_c = triton.next_power_of_2(num_chunks)
     temperature = temperature.to(dev, torch.float32).contiguous()
-    u = u.to(dev, torch.float64).contiguous()
+    if u is not None:
+        u = u.to(dev, torch.float64).contiguous()
     flags = dict(HAS_BIAS=bias is not None, HAS_ROWS=rows is not None)
     res_flags = dict(RES=w is not None, HAS_Q=q is not None)
     bias_t, sb = (base, 0) if bias is None else (bias, bias.stride(0))
@@ -246,11 +263,13 @@ def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, 
     res_t = base if res is None else res
     warps = 8 if block >= 1024 else 4
     if mode == "one_program":
+        seeds, positions, rounds, offset, purpose = keys or (base, base, base, 0, 0)
         _one_program_kernel[(n,)](
-            base, bias_t, rows_t, temperature, u, base if probs is None else probs, tokens, q_t,
-            qr_t, d_t, w_t, res_t, base.stride(0), sb,
-            0 if probs is None else probs.stride(0), tokens.stride(0), sq, vocab, chunk,
-            float(eps), **flags, STORE=probs is not None, **res_flags, BLOCK=block,
+            base, bias_t, rows_t, temperature, base if u is None else u,
+            base if probs is None else probs, tokens, q_t, qr_t, d_t, w_t, res_t, seeds,
+            positions, rounds, base.stride(0), sb, 0 if probs is None else probs.stride(0),
+            tokens.stride(0), sq, vocab, chunk, float(eps), offset, purpose, **flags,
+            STORE=probs is not None, **res_flags, KEYED=keys is not None, BLOCK=block,
             num_warps=warps,
         )  # fmt: skip
         return
@@ -292,6 +311,26 @@ def sample_softmax(base: torch.Tensor, bias: torch.Tensor | None, temperature: t
         assert probs.dtype == torch.float32
     _launch(base, bias, None, temperature, u, eps, tokens, probs, None, None, None, None, None,
             block, mode)  # fmt: skip
+
+
+def sample_draft_slot(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor,
+                      seeds: torch.Tensor, positions: torch.Tensor, offset: int,
+                      rounds: torch.Tensor, purpose: int, eps: float, tokens: torch.Tensor,
+                      probs: torch.Tensor, block: int = _BLOCK) -> None:  # fmt: skip
+    """sample_softmax at the uniforms rng.uniform(seeds, positions + offset, rounds, purpose)
+    (seeds, positions, rounds [R] int64): drawn inside the one-program kernel where it takes
+    this vocabulary (`one_program`: one launch for the slot), else computed first."""
+    if not one_program(base.shape[1]):
+        from dspark.sampling import rng
+
+        u = rng.uniform(seeds, positions + offset, rounds, purpose)
+        sample_softmax(base, bias, temperature, u, eps, tokens, probs, block)
+        return
+    assert probs.shape == base.shape and probs.stride(1) == 1 and probs.dtype == torch.float32
+    keys = tuple(k.to(torch.int64).contiguous() for k in (seeds, positions, rounds)) + (
+        int(offset), int(purpose))  # fmt: skip
+    _launch(base, bias, None, temperature, None, eps, tokens, probs, None, None, None, None, None,
+            block, "one_program", keys)  # fmt: skip
 
 
 def sample_final(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,

@@ -110,3 +110,33 @@ def test_full_sizes_on_cuda(rows, vocab):
     want_p, want_tok = _slot("one_chunk", base, bias, temperature, u, block=2048)
     assert torch.equal(got_p, want_p) and torch.equal(got_tok, want_tok)
     assert torch.equal(got_tok, reference(base, bias, temperature, u)[1])
+
+
+def test_a_draft_slot_draws_its_uniform_in_the_kernel(monkeypatch):
+    """sample_draft_slot: with the one-program kernel, each row's uniform comes from its keys
+    inside the launch, the bits rng.uniform gives (seed, position + offset, round, purpose);
+    without it, rng.uniform first and the chunked kernels. Both draw the same tokens."""
+    from dspark.sampling import rng
+
+    monkeypatch.setattr(rng, "ON_CPU", True)  # (rng.uniform through its kernel, as on CUDA)
+    rows, vocab = 5, 999
+    base, bias, _, _ = case(rows, vocab, torch.float32, 4, True)
+    temperature = torch.tensor([0.9, 0.0, 1.3, 0.6, 1.0])
+    seeds = torch.tensor([3, 1 << 40, 7, 11, 5])
+    positions, rounds, offset = torch.tensor([9, 30, 2, 17, 4]), torch.tensor([0, 2, 1, 5, 3]), 3
+    u = rng.uniform(seeds.to(DEVICE), (positions + offset).to(DEVICE), rounds.to(DEVICE),
+                    rng.DRAFT)  # fmt: skip
+    want_p, want_tok = _slot("one_program", base, bias, temperature, u.cpu())
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "ONE_PROGRAM", on)
+        probs = torch.full((rows, vocab), -1.0, device=DEVICE)
+        tokens = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        kernels.sample_draft_slot(
+            base.to(DEVICE), bias.to(DEVICE), temperature.to(DEVICE), seeds.to(DEVICE),
+            positions.to(DEVICE), offset, rounds.to(DEVICE), rng.DRAFT, GREEDY_EPS, tokens,
+            probs, block=BLOCK)  # fmt: skip
+        out[on] = probs.cpu(), tokens.cpu()
+    assert torch.equal(out[True][0], want_p) and torch.equal(out[True][1], want_tok)
+    assert torch.equal(out[False][1], want_tok)  # (the chunked kernels: the same draw)
+    torch.testing.assert_close(out[False][0], want_p, rtol=2e-5, atol=1e-7)
