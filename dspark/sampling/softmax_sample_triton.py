@@ -16,7 +16,10 @@ the two-level inverse CDF, the copy into the probabilities buffer): at a 152k vo
      edge, the chunk's last positive one). Greedy rows (T <= eps) take the argmax, and their
      stored row is one-hot there, as `processed_probs` gives.
 The law is the stored row's, so verification's residual uses exactly the distribution the
-token was drawn from.
+token was drawn from. The passes are Triton functions (softmax_sample_passes.py); with
+DSPARK_ONE_PASS_SAMPLING=1 a vocabulary up to ONE_PROGRAM_MAX_VOCAB runs all three in one
+program a row (`_one_program_kernel`: one launch, the numbers of three launches with one chunk
+a row), and a draft slot draws its uniform there too (`sample_draft_slot`).
 
 `draft_prob_and_argmax` gives sampled verification's per-row scalars (the draft token's
 probability and the argmax) from pass 1 alone: the torch path ran `processed_probs` over every
