@@ -337,11 +337,9 @@ def _margin(verdicts: dict | None) -> str:
     return f" m{math.exp(verdicts['log_spec_over_plain'] / verdicts['decisions']) - 1:+.0%}"
 
 
-def _kind_ms(kinds: dict | None) -> str | None:
+def _kind_ms(kinds: dict) -> str:
     """"-/0.51/0.87/1.20": a round's mean period of its steps by kind (STEP_KINDS order; "-"
-    where it ran none); None from runs before the engines kept them."""
-    if not kinds:
-        return None
+    where it ran none)."""
     return "/".join(f"{kinds[k][1] / kinds[k][0]:.3f}" if kinds[k][0] else "-"
                     for k in STEP_KINDS)  # fmt: skip
 
@@ -375,7 +373,7 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
         kinds = lv.get("rounds_kinds") or []
         policies = lv.get("rounds_policy") or [None] * len(kinds)
         return [_kind_ms(k) + _priced(p) + _survival(p)
-                for k, p in zip(kinds, policies, strict=True) if _kind_ms(k) is not None]
+                for k, p in zip(kinds, policies, strict=True) if k]  # fmt: skip
 
     for t in sweep["temperatures"]:
         for n in names:

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark.sampling import rng
 from dspark.sampling.rng_triton import uniform_of
 from dspark.sampling.softmax_sample_passes import (
     _base_row,
@@ -296,15 +297,15 @@ def _launch(base, bias, rows, temperature, u, eps, tokens, probs, q, q_rows, d, 
 
 
 def sample_softmax(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor,
-                   u: torch.Tensor, eps: float, tokens: torch.Tensor,
+                   u: torch.Tensor | None, eps: float, tokens: torch.Tensor,
                    probs: torch.Tensor | None = None, block: int = _BLOCK,
-                   mode: str | None = None) -> None:  # fmt: skip
+                   mode: str | None = None, keys: tuple | None = None) -> None:  # fmt: skip
     """tokens[r] ~ softmax((base[r] + bias[r]) / T_r) by inverse CDF at u[r] (greedy rows,
     T_r <= eps: the first argmax); probs[r] (if given) gets that law (one-hot for greedy rows).
     base, bias, probs: [R, V] with unit stride along V (slices of [R, K, V] buffers); bias
     fp32 or base's dtype; temperature [R] fp32; u [R] fp64 in (0, 1); tokens [R] int64, any
-    stride. `block`: columns per load (tests make it small to cover many chunks); `mode`:
-    _launch's."""
+    stride. `block`: columns per load (tests make it small to cover many chunks); `mode`,
+    `keys` (in place of u): _launch's."""
     rows = base.shape[0]
     assert tokens.shape == (rows,)
     if bias is not None:
@@ -313,7 +314,7 @@ def sample_softmax(base: torch.Tensor, bias: torch.Tensor | None, temperature: t
         assert probs.shape == base.shape and probs.stride(1) == 1
         assert probs.dtype == torch.float32
     _launch(base, bias, None, temperature, u, eps, tokens, probs, None, None, None, None, None,
-            block, mode)  # fmt: skip
+            block, mode, keys)  # fmt: skip
 
 
 def sample_draft_slot(base: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor,
@@ -324,16 +325,12 @@ def sample_draft_slot(base: torch.Tensor, bias: torch.Tensor | None, temperature
     (seeds, positions, rounds [R] int64): drawn inside the one-program kernel where it takes
     this vocabulary (`one_program`: one launch for the slot), else computed first."""
     if not one_program(base.shape[1]):
-        from dspark.sampling import rng
-
         u = rng.uniform(seeds, positions + offset, rounds, purpose)
         sample_softmax(base, bias, temperature, u, eps, tokens, probs, block)
         return
-    assert probs.shape == base.shape and probs.stride(1) == 1 and probs.dtype == torch.float32
     keys = tuple(k.to(torch.int64).contiguous() for k in (seeds, positions, rounds)) + (
         int(offset), int(purpose))  # fmt: skip
-    _launch(base, bias, None, temperature, None, eps, tokens, probs, None, None, None, None, None,
-            block, "one_program", keys)  # fmt: skip
+    sample_softmax(base, bias, temperature, None, eps, tokens, probs, block, "one_program", keys)
 
 
 def sample_final(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,

@@ -209,6 +209,7 @@ def test_an_engine_samples_the_same_through_the_kernels(tiny_qwen, tmp_path, mon
     if cfg is not None:  # verification took its kernels, and drafts were accepted
         assert {"_fused_row_stats", "_fused_final"} <= set(used) and fused[1] > 0
     monkeypatch.setattr(kernel, "sample_softmax", _torch_sample_softmax)
+    monkeypatch.setattr(kernel, "ONE_PROGRAM", False)  # (draft slots: rng.uniform, then torch)
     monkeypatch.setattr(verify_mod, "_fused_row_stats", lambda *a: None)
     monkeypatch.setattr(verify_mod, "_fused_final", lambda *a: None)
     assert run() == fused
