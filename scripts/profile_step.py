@@ -253,7 +253,9 @@ def main() -> int:
                     help="from nospec,fixed,adaptive,plain (adaptive, drafting held off),"
                          "plain_skip (plain, writing no drafter context: "
                          "skip_idle_context_write),drafting (adaptive, drafting held on); "
-                         "any with _onepass: with the one-program sampling kernel")
+                         "any with _onepass: with the one-program sampling kernel; with "
+                         "_nofollow: no speculative step follows the one in flight "
+                         "(dspark/engine/follow.py)")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
@@ -281,11 +283,13 @@ def main() -> int:
     one_pass_default = softmax_sample_triton.ONE_PROGRAM  # (DSPARK_ONE_PASS_SAMPLING)
     for arm in args.arms.split(","):
         # "<arm>_onepass": that arm with the one-program sampling kernel (vocabularies up to
-        # its ONE_PROGRAM_MAX_VOCAB), an A/B in one process
-        one_pass = arm.endswith("_onepass")
-        spec = arms[arm.removesuffix("_onepass")]
+        # its ONE_PROGRAM_MAX_VOCAB); "<arm>_nofollow": every speculative step waited for
+        # before the next is scheduled (A/Bs in one process)
+        one_pass, follow = "_onepass" in arm, "_nofollow" not in arm
+        spec = arms[arm.replace("_onepass", "").replace("_nofollow", "")]
         softmax_sample_triton.ONE_PROGRAM = one_pass or one_pass_default
         with LLM(args.target, speculative_config=spec, **kw) as llm:
+            llm.engine.follows = llm.engine.follows and follow
             if arm.startswith("plain"):  # drafting held off: no probes, and no decision
                 # (the survival never gets known, so one would be due every step). Its timed
                 # plan reads high: the host timers nested inside it cost ~3 us each in situ
@@ -313,10 +317,11 @@ def main() -> int:
     print("\n".join(line for r in reports for line in r.split("\n")
                     if line.startswith("###") or "us host per step" in line))
     print("\n".join(t for t in timers if t))
-    print(f"\n{'arm':<8} {'T':>3} {'rng':>6} {'conc':>5} {'ms/step':>8} {'tok/s':>9} {'acc':>5}")
+    print(f"\n{'arm':<16} {'T':>3} {'rng':>6} {'conc':>5} {'ms/step':>8} {'tok/s':>9} "
+          f"{'acc':>5}")
     for arm, temp, kind, c, m in rows:
         acc = "-" if m["acc"] is None else f"{m['acc']:.2f}"
-        print(f"{arm:<8} {temp:>3g} {kind:>6} {c:>5} {m['ms_per_step']:>8.2f} "
+        print(f"{arm:<16} {temp:>3g} {kind:>6} {c:>5} {m['ms_per_step']:>8.2f} "
               f"{m['tok_s']:>9.1f} {acc:>5}")
     return 0
 

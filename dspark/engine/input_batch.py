@@ -89,7 +89,7 @@ class StepInputs:
 META_FIELDS = (
     "num_reqs", "num_tokens", "max_blocks", "max_query_len", "max_seq_len", "num_samples",
     "all_greedy", "max_capacity", "max_num_logits", "any_top_k", "any_top_p", "any_min_p",
-    "num_draft_fills", "context_tokens",
+    "num_draft_fills", "context_tokens", "follows",
 )  # fmt: skip
 _META = {name: i for i, name in enumerate(META_FIELDS)}
 # what a plan reads of every step (HostStep.plan_scalars)
@@ -166,10 +166,12 @@ def _int_sizes(meta: np.ndarray) -> list[int]:
 
 
 def pack_step(
-    rows: list[ScheduledRow], block_tables: np.ndarray, block_size: int
+    rows: list[ScheduledRow], block_tables: np.ndarray, block_size: int, follows: bool = False
 ) -> HostStep:
     """Host arrays of one step. `block_tables` [R, B] int64: row i is rows[i]'s block table,
-    zero past its end (BlockTableMirror.rows).
+    zero past its end (BlockTableMirror.rows). `follows`: every row is a decode row of the
+    speculative step in flight, packed from the state before it (follow.py): its anchor is
+    pending, its round the next one, and the device moves its positions.
 
     Hot (every step, up to max_num_seqs rows, the host's critical path of a speculative
     step): one Python pass over the rows, then a fixed number of whole-array numpy calls
@@ -184,11 +186,14 @@ def pack_step(
         req, p = r.req, r.req.params
         s, caps = req.num_computed_tokens, r.num_draft_slots
         nd = r.num_new_tokens - caps
-        toks += req.token_ids[s : s + nd]
-        if req.num_pending and s + nd > len(req.token_ids):  # sampled by the step in flight:
-            toks += [PENDING_TOKEN] * (s + nd - max(s, len(req.token_ids)))  # on the device
-        per_row.append((r.samples, caps, nd, s, req.slot, req.seed, req.round, p.top_k,
-                        r.num_new_tokens, s + r.num_new_tokens))  # fmt: skip
+        if follows:  # (nd = 1: the anchor the step in flight emits last)
+            toks.append(PENDING_TOKEN)
+        else:
+            toks += req.token_ids[s : s + nd]
+            if req.num_pending and s + nd > len(req.token_ids):  # sampled by the step in
+                toks += [PENDING_TOKEN] * (s + nd - max(s, len(req.token_ids)))  # flight
+        per_row.append((r.samples, caps, nd, s, req.slot, req.seed, req.round + follows,
+                        p.top_k, r.num_new_tokens, s + r.num_new_tokens))  # fmt: skip
         per_row_f.append((p.temperature, p.top_p, p.min_p))
     cols = np.array(per_row, dtype=np.int64).reshape(num_reqs, 10).T
     caps, start, slots, num_new, seq_lens = cols[1], cols[3], cols[4], cols[8], cols[9]
@@ -240,6 +245,7 @@ def pack_step(
         num_reqs, total, max_blocks, hi[8], hi[9], num_samples, bool(fmax[0] <= GREEDY_EPS),
         hi[1], num_samples + int(samples @ caps), hi[7] > 0, bool(fmin[1] < 1),
         bool(fmax[2] > 0), num_drafts, int(start.sum()),  # (the rows' contexts, summed)
+        follows,
     ], dtype=np.int64)  # fmt: skip
     return HostStep(meta, ints, floats, fill)
 
@@ -348,9 +354,13 @@ def resolve_pending(inp: StepInputs, last_tokens: torch.Tensor) -> None:
 
 
 def record_emitted(last_tokens: torch.Tensor, inp: StepInputs, out: torch.Tensor,
-                   num_out: torch.Tensor) -> None:
+                   num_out: torch.Tensor, last_counts: torch.Tensor | None = None) -> None:
     """last_tokens[slot] = the last token each sampling row emitted (out [R, W], num_out
-    [R]; slots distinct, padding rows on the scratch slot), for resolve_pending."""
+    [R]; slots distinct, padding rows on the scratch slot), for resolve_pending; and, given
+    `last_counts`, last_counts[slot] = how many it emitted (for a following step:
+    follow.py)."""
     last = out.gather(1, (num_out.long() - 1).clamp(min=0)[:, None])[:, 0]
     emitted = inp.samples & (num_out > 0)
     last_tokens[inp.slots] = torch.where(emitted, last, last_tokens[inp.slots])
+    if last_counts is not None:
+        last_counts[inp.slots] = torch.where(emitted, num_out.long(), last_counts[inp.slots])

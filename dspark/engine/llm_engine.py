@@ -14,19 +14,22 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager, BlockTableMirror
+from dspark.engine.commit import commit_step
 from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.follow import follow_enabled, follow_extra
 from dspark.engine.loading import load_tokenizer, resolve_device
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.output_builder import build_outputs, make_output, needs_text
 from dspark.engine.prompt_input import prompt_token_ids
 from dspark.engine.request import Request, RequestStatus, SpecStats
 from dspark.engine.scheduler import Scheduler, SchedulerOutput
-from dspark.engine.stopping import append_tokens
 from dspark.models.config import ModelConfig, parse_dtype
 from dspark.outputs import RequestOutput
 from dspark.sampling.rng import hash_ints
@@ -40,6 +43,17 @@ atexit.register(gc.unfreeze)
 
 
 _MAX_GAP_S = 0.1  # a longer gap between two steps is idling, not per-step work
+
+
+class Launched(NamedTuple):
+    """A launched step, until its commit."""
+
+    sched: SchedulerOutput
+    wait: Callable[[], StepResult]
+    tag: tuple | None  # the speculative decoder's, for the online cost model
+    prediction: tuple | None  # ... and its drafting decision's acceptance check
+    advanced: bool  # scheduled ahead as a plain step: its counters advanced at launch
+    with_drafts: int | float  # its rows below this leave drafts for the next step
 
 
 class LLMEngine:
@@ -86,7 +100,7 @@ class LLMEngine:
         # steps launched and their periods (ms) by kind (STEP_KINDS; for reports)
         self.step_kinds = {kind: [0, 0.0] for kind in STEP_KINDS}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0,
-                      "step_time_ms": 0.0}  # fmt: skip
+                      "followed_steps": 0, "step_time_ms": 0.0}  # fmt: skip
         # What exists now (libraries, modules, tensors, tokenizer: ~300k objects) lives as long
         # as the engine. A full collection walks all of it (~150 ms on a 2-core CPU) and Python
         # starts one every so often under the allocation churn of serving: a stall in the
@@ -99,9 +113,10 @@ class LLMEngine:
         self._unbuilt: list[tuple[Request, list[int]]] = []
         self.on_outputs = None  # a callable taking each batch of outputs, or None
         # async scheduling (config.schedules_ahead): the step launched last and not yet
-        # committed, as (schedule, wait, the speculative decoder's tag and prediction of it)
+        # committed; a speculative one only where the next step follows it (follow.py)
         self.async_scheduling = self.runner.feeds_pending
-        self._in_flight: tuple | None = None
+        self.follows = self.async_scheduling and self.runner.spec is not None and follow_enabled()
+        self._in_flight: Launched | None = None
         # the last committed step's period for the online cost model (observed: _step)
         self._unobserved: tuple | None = None
         self.idle = True  # whether the last step() neither launched nor committed a step
@@ -189,7 +204,18 @@ class LLMEngine:
         return sched
 
     def _launch(self, sched: SchedulerOutput):
-        return self.runner.launch(sched, self.block_tables.rows([r.req for r in sched.rows]))
+        return self.runner.launch(sched, self.block_tables.rows([r.req for r in sched.rows]),
+                                  sched.follows)  # fmt: skip
+
+    def _schedule_follow(self, previous: Launched | None) -> SchedulerOutput | None:
+        """The next step of the speculative step in flight, scheduled before it is committed
+        (follow.py), or None: nothing to follow, or this step cannot (its rows are not all
+        running any more, or the scheduler's checks)."""
+        if previous is None or previous.advanced:
+            return None
+        if len(self.scheduler.running) != len(previous.sched.rows):  # (one aborted, ...)
+            return None
+        return self.scheduler.schedule_follow(follow_extra(self.num_spec_tokens))
 
     def _step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then build the outputs of the last commit while it runs
@@ -202,38 +228,51 @@ class LLMEngine:
         a PENDING_TOKEN input that the device takes from what N sampled. A request that N
         finishes (a stop token) has a wasted row in N+1, dropped at its commit; one that N
         finishes by length is not scheduled again. Blocks freed while a step is in flight
-        are only reused by later steps, which run after it on the same stream. Only a step
-        whose outcome is one token per sampling row stays in flight (`_predictable`); any
-        other (it verifies or drafts), and every step without async scheduling, is waited
-        for and committed in the call that launched it, after the step before it; its outputs
-        are built in the next call, after that call's launch."""
+        are only reused by later steps, which run after it on the same stream. A step stays
+        in flight where its outcome is one token per sampling row (`_predictable`), or where
+        it drafts for every decode row: the next then follows it (follow.py: scheduled from
+        the counters before it, its rows moved on the device), or, where it cannot, is
+        scheduled once the step in flight is waited for and committed. Any other step (it
+        verifies without drafting for all, or has prefill chunks; every step without async
+        scheduling) is waited for and committed in the call that launched it, after the step
+        before it; its outputs are built in the next call, after that call's launch."""
         t0 = time.perf_counter()
         captures = self.runner.num_graph_captures()
-        sched = self._schedule()
+        previous, committed, outputs = self._in_flight, [], []
+        sched = self._schedule_follow(previous)
+        if sched is None and previous is not None and not previous.advanced:
+            self._in_flight = None  # its outcome decides the next step: committed first
+            outputs = self._deliver_outputs()
+            committed.append(self._commit_launched(previous))
+            previous = None
+        if sched is None:
+            sched = self._schedule()
         launched, ahead = None, False
         if not sched.is_empty:
             wait = self._launch(sched)
+            self.stats["followed_steps"] += sched.follows
             spec = self.runner.spec  # what the online cost model must know of this step
-            launched = (sched, wait, None if spec is None else spec.step_tag(),
-                        None if spec is None else spec.take_prediction())  # fmt: skip
-            ahead = self.async_scheduling and self._predictable(sched)
-            if ahead:
+            advanced = self.async_scheduling and self._predictable(sched)
+            ahead = advanced or (self.follows and self._followable())
+            launched = Launched(sched, wait, None if spec is None else spec.step_tag(),
+                                None if spec is None else spec.take_prediction(), advanced,
+                                0 if advanced or spec is None else spec.rows_with_drafts())
+            if advanced:
                 self._advance(sched)
         self._observe()  # (the last call's step, while this one runs)
-        previous, self._in_flight = self._in_flight, None
-        self.idle = launched is None and previous is None
+        self._in_flight = None
+        self.idle = launched is None and previous is None and not committed
         # the previous call's outputs: built while `launched` runs (reads only request state
         # fixed by that commit and touches nothing the device reads)
-        outputs = self._deliver_outputs()
-        committed = []
+        outputs += self._deliver_outputs()
         if previous is not None:
-            committed.append(self._commit_launched(previous, advanced=True))
+            committed.append(self._commit_launched(previous))
             outputs += self._deliver_outputs()  # (one commit's outputs at a time)
         if launched is not None:
             if ahead:
                 self._in_flight = launched
             else:
-                committed.append(self._commit_launched(launched, advanced=False))
+                committed.append(self._commit_launched(launched))
                 # left for the next call to build after its launch, while its step runs (built
                 # here, they would sit between two steps with the device idle: 0.1-0.45 ms a
                 # speculative step on the H200), unless no step follows
@@ -271,16 +310,22 @@ class LLMEngine:
         spec = self.runner.spec
         return spec is None or (not spec.draft_enabled and sched.num_draft_slots == 0)
 
-    def _commit_launched(self, launched: tuple, advanced: bool) -> tuple:
+    def _followable(self) -> bool:
+        """Whether the speculative step just launched may stay in flight, the next one
+        following it: its rows are all decode rows and it drafts for every one (follow.py)."""
+        spec = self.runner.spec
+        return spec.draft_enabled and not spec.probing and self.runner.last_decode_only
+
+    def _commit_launched(self, launched: Launched) -> tuple:
         """Wait for a launched step and commit it; returns (schedule, result, tag)."""
-        sched, wait, tag, prediction = launched
-        result = wait()
+        result = launched.wait()
         self.stats["steps"] += 1
-        self._unbuilt += self._commit(sched, result, advanced)
-        if prediction is not None:  # (the drafting decision's acceptance check)
-            self.runner.spec.drafting.check_prediction(prediction, result.emitted,
+        self._unbuilt += self._commit(launched.sched, result, launched.advanced,
+                                      launched.with_drafts)  # fmt: skip
+        if launched.prediction is not None:  # (the drafting decision's acceptance check)
+            self.runner.spec.drafting.check_prediction(launched.prediction, result.emitted,
                                                        result.verified)  # fmt: skip
-        return sched, result, tag
+        return launched.sched, result, launched.tag
 
     @staticmethod
     def _advance(sched: SchedulerOutput) -> None:
@@ -325,62 +370,9 @@ class LLMEngine:
         start = t0 if last is None or t0 - last > _MAX_GAP_S else last
         return (now - start) * 1e3
 
-    def _commit(self, sched: SchedulerOutput, result: StepResult,
-                advanced: bool) -> list[tuple[Request, list]]:  # fmt: skip
-        """Apply a step's results to the requests (tokens, stops, freed blocks and slots).
-        Returns (request, its new tokens) for each output to build: every sampling row's
-        when streaming, else the finished ones'. `advanced`: the step was scheduled ahead of
-        the next one, its counters advanced at launch (`_advance`), and a request may have
-        finished (stop token, abort) or been preempted since."""
-        produced: list[tuple[Request, list[int]]] = []
-        now, stream, spec = time.time(), self.stream_outputs, self.runner.spec
-        rounds: list[tuple[int, int, int]] = []  # (drafted, verified, accepted) of this step
-        # rows below this have drafts for the next step (none where the step ran ahead)
-        with_drafts = 0 if advanced or spec is None else spec.rows_with_drafts()
-        for i, (row, emitted, verified, drafted) in enumerate(zip(
-            sched.rows, result.emitted, result.verified, result.drafted
-        )):  # fmt: skip
-            req = row.req
-            if req.is_finished:  # stopped or aborted while this step ran: a wasted row
-                continue
-            running = req.status is RequestStatus.RUNNING  # (not preempted meanwhile)
-            if not row.samples:
-                if not advanced:
-                    req.num_computed_tokens += row.num_new_tokens
-                if running:
-                    self.block_manager.cache_full_blocks(req)
-                continue
-            accepted = len(emitted) - 1
-            if advanced:
-                req.num_pending -= 1
-            else:
-                req.num_computed_tokens += row.num_non_draft_tokens + accepted
-                req.round += 1
-            if req.num_output_tokens == 0:
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
-            if drafted > 0:
-                r = (drafted, verified, accepted)
-                rounds.append(r)
-                counts = req.spec_rounds  # (Request.spec: a count per kind of round)
-                counts[r] = counts.get(r, 0) + 1
-            new_tokens = append_tokens(req, emitted, now, self.detokenizer)
-            self.stats["generation_tokens"] += len(new_tokens)
-            finished = req.status.finished
-            if finished:
-                req.num_pending = 0  # a later step's token still in flight is dropped
-                self.scheduler.remove(req)  # from running (or waiting: preempted); freed
-                self._release_slot(req)
-            else:
-                # (a step scheduled ahead drafted nothing; the spec decoder's drafting state
-                # is the next step's by now)
-                req.has_drafts = i < with_drafts
-                if running:
-                    self.block_manager.cache_full_blocks(req)
-            if stream or finished:
-                produced.append((req, new_tokens))
-        if rounds:
-            self.spec_stats.record_many(*zip(*rounds))
-        return produced
+    def _commit(self, sched: SchedulerOutput, result: StepResult, advanced: bool,
+                with_drafts: int | float = 0) -> list[tuple[Request, list]]:  # fmt: skip
+        return commit_step(self, sched, result, advanced, with_drafts)
 
     def _release_slot(self, req: Request) -> None:
         if req.slot >= 0:

@@ -24,6 +24,7 @@ import torch
 
 from dspark.attention import select_backend
 from dspark.config import EngineConfig, schedules_ahead
+from dspark.engine.follow import follow_extra, follow_inputs
 from dspark.engine.input_batch import (
     HostStep,
     finalize,
@@ -91,6 +92,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, device)
         self.spec = None
         self.last_kind = "plain"  # the kind of the step launched last, without speculation
+        self.last_decode_only = False  # ... and whether its rows were decode rows only
         with tensor_parallel(self.tp):  # layers built here are sharded over the group
             self.model = load_target(model_cfg, config.model, dtype, device, dummy)
             if config.speculative_config is not None:
@@ -107,6 +109,10 @@ class ModelRunner:
         self.feeds_pending = schedules_ahead(config)  # (else the buffer is never read)
         self.last_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64,
                                        device=device)  # fmt: skip
+        # ... and how many tokens it emitted then, for a speculative step that follows the one
+        # in flight (follow.py; None without speculation or async scheduling)
+        self.last_counts = (torch.zeros_like(self.last_tokens)
+                            if self.feeds_pending and self.spec is not None else None)  # fmt: skip
         self.num_blocks = num_kv_blocks(self)
         max_len = config.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
@@ -183,9 +189,11 @@ class ModelRunner:
     @property
     def max_blocks_per_seq(self) -> int:
         """Widest block table a step can carry: a sequence at max_model_len plus its K
-        lookahead draft slots."""
+        lookahead draft slots, and a following step's K + 1 more (follow.py: a row that the
+        step in flight ends by length is still laid out, a wasted row)."""
         k = self.spec.k if self.spec is not None else 0
-        return -(-(self.max_model_len + k + 1) // self.block_size) + 1
+        extra = follow_extra(k) if self.last_counts is not None else 0
+        return -(-(self.max_model_len + k + 1 + extra) // self.block_size) + 1
 
     # -- memory ---------------------------------------------------------------------------
     def _captures_graphs_of_prefill_chunks(self) -> bool:
@@ -211,16 +219,23 @@ class ModelRunner:
         sg = self.step_graphs
         return 0 if sg is None else len(sg.graphs) + len(sg.failed)
 
-    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray):
+    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray, follows: bool = False):
         """Queue one step's device work and return `wait`, which blocks until the emitted
         tokens are on the host and returns the StepResult. The host works in between (outputs
         of an earlier step; with async scheduling, the next step's launch). At most two steps
         are in flight: a launch comes after the wait of the step launched two before it. On
-        the CPU, and under tensor parallelism, the work is done when this returns."""
+        the CPU, and under tensor parallelism, the work is done when this returns.
+        `follows`: the rows are those of the speculative step in flight, scheduled from the
+        state before it (follow.py)."""
         rows = sched.rows
-        host = pack_step(rows, block_tables, self.block_size)
+        host = pack_step(rows, block_tables, self.block_size, follows)
         if self.spec is None:  # (a speculative step's kind: SpecDecoder.last_kind, at plan)
             self.last_kind = "mixed" if host.get("max_query_len") > 1 else "plain"
+        # every row a decode row that samples (one token beside its draft slots): a step the
+        # next one may follow, if it drafts for every row (follow.py)
+        n = len(rows)
+        self.last_decode_only = (host.get("num_samples") == n
+                                 and host.get("num_tokens") == n + host.get("num_draft_fills"))
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
         plan = self.spec.plan(host, sched.draft_room) if self.spec is not None else None
         if self.spec is not None and self.spec.skip_idle_write:
@@ -280,6 +295,9 @@ class ModelRunner:
         output width) once they are on the host, and None on the other ranks."""
         draft_buf = self.spec.draft_tokens if self.spec is not None else None
         inp = upload_step(host, self.device, draft_buf)
+        if host.get("follows"):  # rows move by what the step in flight emits (follow.py)
+            follow_inputs(inp, self.last_counts, self.block_size, 1)
+            inp.max_seq_len += follow_extra(self.spec.k)
         if self.spec is not None:
             self.spec.choose_lengths(inp, plan)  # calls finalize() with the verify lengths
         else:
@@ -295,7 +313,7 @@ class ModelRunner:
         else:
             out, num_out = sample_step(logits, inp)
         if self.feeds_pending:
-            record_emitted(self.last_tokens, inp, out, num_out)
+            record_emitted(self.last_tokens, inp, out, num_out, self.last_counts)
         host_out, done = None, None
         if self.tp.rank == 0:
             packed = pack_outputs(out, num_out, inp.lengths)

@@ -44,6 +44,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     draft_room: int = 0  # drafts the step may verify within the token budget (module doc)
     num_draft_slots: int = 0  # draft slots laid out over all rows
+    follows: bool = False  # scheduled while the step before is in flight (schedule_follow)
 
     @property
     def num_tokens(self) -> int:
@@ -152,3 +153,32 @@ class Scheduler:
             budget -= num_new
         out.draft_room = room + budget
         return out
+
+    def schedule_follow(self, extra: int) -> SchedulerOutput | None:
+        """The next step of running requests whose speculative step is still in flight, each
+        a decode row with every draft slot (that step drafts for all), from the counters
+        before it; each row's blocks cover `extra` tokens more (that step's longest outcome:
+        follow.py). None where the step cannot follow: a waiting request has a free seat,
+        the budget or blocks are short (no preemption here: blocks allocated so far stay with
+        their requests, which need them next anyway). The caller checks that the running
+        requests are that step's rows. A row that step ends by length is scheduled all the
+        same (the step does not know it): a wasted row, as after a stop token."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        out = SchedulerOutput(follows=True)
+        budget, k = self.max_num_batched_tokens, self.num_lookahead_slots
+        charged = math.ceil(self.draft_share * k)
+        room = 0
+        for req in self.running:
+            num_new = req.num_tokens - req.num_computed_tokens + k
+            cost = num_new - k + charged
+            if (num_new != 1 + k or cost > budget
+                    or not self.bm.allocate(req, req.num_computed_tokens + num_new + extra)):
+                return None
+            out.rows.append(ScheduledRow(req, num_new, k, True))
+            budget -= cost
+            room += charged
+        out.num_draft_slots = k * len(out.rows)
+        out.draft_room = room + budget
+        return out
+

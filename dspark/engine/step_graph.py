@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from dspark.engine.cuda_graph import PREFILL_GRAPH_MAX_TOKENS, prefill_buckets
+from dspark.engine.follow import follow_inputs
 from dspark.engine.input_batch import (
     HostStep,
     StepInputs,
@@ -149,11 +150,17 @@ class StepGraphs(StepGraphCapture):
             return None  # threshold / early-stop choose lengths on the device: eager
         tb = self._trim_bucket(rb, host.forward_tokens(budget))
         if budget is None or (budget >= host.num_draft_slots() and tb == rb * (1 + self.k)):
-            return "spec", rb, mode  # every row's 1 + K tokens, padding rows included
-        # trimmed, or a lagged verify-all whose stream fills a smaller bucket (fewer drafts, as
-        # after a probe, or fewer rows): allocate the budget, compact to a token bucket
-        key = ("trim", rb, mode, tb)
-        return None if key in self.failed else key
+            key = "spec", rb, mode  # every row's 1 + K tokens, padding rows included
+        else:  # trimmed, or a lagged verify-all whose stream fills a smaller bucket (fewer
+            # drafts, as after a probe, or fewer rows): allocate the budget, compact to a bucket
+            key = ("trim", rb, mode, tb)
+            if key in self.failed:
+                return None
+        # a following step is never a graph's first use: the warm-up run would record its
+        # emitted tokens where the replay then reads its pending inputs (per-phase path)
+        if g("follows") and self.use_graphs and key not in self.graphs:
+            return None
+        return key
 
     def _mixed_key(self, host: HostStep, budget: int | None, rb: int, mode: str):
         """(family, rows bucket, mode, token bucket) of a step with prefill chunks; "mixed"
@@ -319,6 +326,9 @@ class StepGraphs(StepGraphCapture):
     def _step(self, key: tuple) -> torch.Tensor:
         rn, spec = self.runner, self.spec
         inp = self._inputs(key)
+        if key[0] in ("spec", "trim") and rn.last_counts is not None:  # (may follow: follow.py)
+            follow_inputs(inp, rn.last_counts, rn.block_size,
+                          self.dev_buf[self._layout(key).follows])  # fmt: skip
         if key[0] == "trim":
             finalize(inp, self._allocate(key), key[3], key[3])  # compacted to the bucket
         elif key[0] in MIXED:  # compacted to the bucket; logits rows <= 1 + its capacity a
@@ -347,7 +357,7 @@ class StepGraphs(StepGraphCapture):
                 next_anchors(inp.anchor_pos, out, num_out, self.anchors[: inp.num_reqs],
                              self.anchor_pos[: inp.num_reqs])  # fmt: skip
         if rn.feeds_pending:
-            record_emitted(rn.last_tokens, inp, out, num_out)
+            record_emitted(rn.last_tokens, inp, out, num_out, rn.last_counts)
         return pack_outputs(out, num_out, inp.lengths)
 
     def _mixed_lengths(self, key: tuple, inp: StepInputs) -> torch.Tensor:

@@ -58,8 +58,12 @@ class Layout:
         return self.stream + 4 * self.tokens
 
     @property
-    def size(self) -> int:
+    def follows(self) -> int:  # one slot: 1 if the step follows the one in flight (follow.py)
         return self.budget + 1
+
+    @property
+    def size(self) -> int:
+        return self.budget + 2
 
 
 def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k: int,
@@ -91,6 +95,7 @@ def fill_host(host: HostStep, lay: Layout, buf: np.ndarray, scratch_slot: int, k
     dst, src_row, src_k = host.draft_fill
     stream[3, dst] = src_row * k + src_k
     buf[lay.budget] = -1 if budget is None else budget
+    buf[lay.follows] = host.get("follows")
 
 
 def pack_outputs(out: torch.Tensor, num_out: torch.Tensor, lengths: torch.Tensor):

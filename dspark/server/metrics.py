@@ -31,6 +31,8 @@ _ENGINE_COUNTERS = {
     "generation_tokens": ("dspark_generation_tokens", "Tokens generated."),
     "steps": ("dspark_engine_steps", "Engine steps executed."),
     "preemptions": ("dspark_preemptions", "Requests preempted (recomputed later)."),
+    "followed_steps": ("dspark_engine_followed_steps", "Speculative steps launched before the "
+                       "step before them was committed (dspark/engine/follow.py)."),
     "prefix_queries": ("dspark_prefix_cache_queries", "Tokens looked up in the prefix cache."),
     "prefix_hits": ("dspark_prefix_cache_hits", "Tokens found in the prefix cache."),
     "spec_drafted": ("dspark_spec_drafted_tokens", "Draft tokens proposed."),

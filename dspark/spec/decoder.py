@@ -66,8 +66,11 @@ class SpecDecoder(StepPlanning):
         self.trace: list[dict] | None = None  # per-step records while tracing (host syncs!)
         self.features = torch.zeros(slots, self.k, dtype=torch.float32, device=device)
         # the planner reads copies of `conf` that have landed, never waiting for one (and
-        # never the newest queued: it holds the drafts the planned step verifies)
-        self.host_confs = LandedCopies((slots, self.k), device, fill=float("nan"))
+        # never the newest queued: it holds the drafts the planned step verifies); three
+        # buffers: a following step (follow.py) is planned before the step in flight is
+        # waited for, when the copy before the newest may still be on its way, and the one
+        # before that, which has landed, must not be overwritten yet
+        self.host_confs = LandedCopies((slots, self.k), device, depth=3, fill=float("nan"))
         # drafting steps in a row whose copy was skipped (_copy_conf_to_host; 0: the last
         # drafting step queued its copy, which _stale must not read)
         self._conf_skips = 0

@@ -9,10 +9,10 @@ def trace_steps(engine, log: list) -> Callable:
     Returns the original launch, to restore."""
     launch = engine.runner.launch
 
-    def spy(sched, tables):
+    def spy(sched, tables, follows=False):
         step = sum(e[0] == "launch" for e in log)
         log.append(("launch", step))
-        wait = launch(sched, tables)
+        wait = launch(sched, tables, follows)
 
         def traced_wait():
             log.append(("wait", step))

@@ -229,19 +229,23 @@ def test_a_probe_that_covers_every_row_is_an_ordinary_drafting_step(tiny_qwen, d
         assert all(p[3] == (num_reqs > PROBE_ROWS) for p in probes), probes
 
 
+@pytest.mark.parametrize("follow", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_budget_never_reads_the_confidences_of_the_drafts_it_verifies(
-    tiny_qwen, drafter, tmp_path, temperature
+    tiny_qwen, drafter, tmp_path, temperature, follow
 ):
     """Losslessness of the lagged policy rests on its budget coming from confidences older than
     the drafts it verifies (a budget from the current ones is biased: the Appendix A test in
     test_lossless_policies.py). On the CPU every copy lands at once, and the plan of each step
     had read the copy queued by the step before it: the confidences of the very drafts it was
-    about to verify (on a GPU, whenever that copy landed before the plan)."""
+    about to verify (on a GPU, whenever that copy landed before the plan). The same holds
+    for a step planned while the one before is in flight (`follow`: dspark/engine/follow.py),
+    whose plans stand more often (twice the tokens, for as many reads)."""
     path = _table(tmp_path, "expensive", weight_read_ms=0.01, ms_per_token=1.0,
                   fixed_overhead_ms=4.0, draft_base_ms=0.0, draft_ms_per_req=0.0)  # fmt: skip
     llm = _llm(tiny_qwen, drafter, "lagged", path, min_predicted_gain=0.0,
                draft_skipping=False)  # fmt: skip
+    llm.engine.follows = follow
     spec = llm.engine.runner.spec
     reads, stale = [], spec._stale
 
@@ -251,10 +255,12 @@ def test_the_budget_never_reads_the_confidences_of_the_drafts_it_verifies(
         return out
 
     spec._stale = spy
-    params = SamplingParams(temperature=temperature, max_tokens=MAX_NEW, ignore_eos=True, seed=3)
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_NEW * (1 + follow),
+                            ignore_eos=True, seed=3)  # fmt: skip
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     st = llm.engine.spec_stats.as_dict()
     assert 0 < st["num_verified_tokens"] < st["num_drafted_tokens"]  # the budget trimmed
+    assert (llm.engine.stats["followed_steps"] >= 10) == follow
     assert len(reads) >= 5
     rows = sum(int(np.isfinite(live).all(axis=1).sum()) for _, live in reads)
     same = sum(int((read == live).all(axis=1).sum()) for read, live in reads)

@@ -150,14 +150,15 @@ def test_speculative_engine_schedules_ahead_only_after_plain_steps(
 
     monkeypatch.setattr(drafting_mod, "_PROBE_EVERY", 4)
     monkeypatch.setattr(drafting_mod, "_PROBE_BACKOFF_MAX", 1)  # (a probe every 4 steps)
+    monkeypatch.setenv("DSPARK_FOLLOW", "0")  # (steps that follow: test_follow.py)
     spec = _lagged_spec(drafter, tmp_path, table)
     ref, sync_eng = _run(tiny_qwen, False, 1.0, graphs, speculative_config=spec)
     commits = []  # (scheduled ahead, verified drafts) per committed step
     commit = LLMEngine._commit
 
-    def spy(self, sched, result, advanced):
+    def spy(self, sched, result, advanced, with_drafts=0):
         commits.append((advanced, any(r.num_draft_slots for r in sched.rows)))
-        return commit(self, sched, result, advanced)
+        return commit(self, sched, result, advanced, with_drafts)
 
     monkeypatch.setattr(LLMEngine, "_commit", spy)
     got, eng = _run(tiny_qwen, True, 1.0, graphs, speculative_config=spec)
@@ -174,12 +175,15 @@ def test_speculative_engine_schedules_ahead_only_after_plain_steps(
         assert 0 < st.num_verified_tokens < st.num_drafted_tokens
 
 
-def test_a_waited_for_steps_outputs_are_built_while_the_next_step_runs(tiny_qwen, drafter):
-    """A speculative step is waited for in the call that launched it (never left in flight),
-    but its outputs are built in the next call, after that call's launch: the output work
+def test_a_waited_for_steps_outputs_are_built_while_the_next_step_runs(tiny_qwen, drafter,
+                                                                      monkeypatch):  # fmt: skip
+    """A speculative step that no step follows (DSPARK_FOLLOW=0 here: test_follow.py) is
+    waited for in the call that launched it, but its outputs are built in the next call,
+    after that call's launch: the output work
     (text, deltas, the driver's delivery) overlaps the next step's device work instead of
     sitting between two steps while the device idles. Only the last step's outputs, with
     nothing after it, come at once."""
+    monkeypatch.setenv("DSPARK_FOLLOW", "0")
     spec = {"model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "fixed"}
     llm = LLM(tiny_qwen, device="cpu", speculative_config=spec)
     eng, log = llm.engine, []

@@ -274,11 +274,11 @@ def test_steps_that_capture_a_graph_do_not_feed_the_online_cost(tiny_qwen, draft
     class Tag(tuple):  # a step's tag (taken at its launch) that knows which launch it was
         pass
 
-    def spy_launch(sched, tables):
+    def spy_launch(sched, tables, follows=False):
         launches[0] += 1
         if launches[0] == 6:
             captures[0] += 1  # this step captured a graph
-        return launch(sched, tables)
+        return launch(sched, tables, follows)
 
     def spy_tag():
         tag = step_tag()

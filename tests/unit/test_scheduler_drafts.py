@@ -99,8 +99,8 @@ def test_prefill_takes_the_slots_the_plans_leave_and_output_is_unchanged(tiny_qw
     runner, steps = llm.engine.runner, []
     launch = runner.launch
 
-    def recording_launch(sched, block_tables):
-        wait = launch(sched, block_tables)
+    def recording_launch(sched, block_tables, follows=False):
+        wait = launch(sched, block_tables, follows)
         spec = runner.spec
         drafting = [r for r in sched.rows if r.num_draft_slots]
         prefill = sum(r.num_new_tokens for r in sched.rows if not r.num_draft_slots)

@@ -424,8 +424,8 @@ def test_step_reports_the_tokens_its_forward_ran_on(tiny_qwen, drafter, tmp_path
     runner = llm.engine.runner
     seen, launch = [], runner.launch
 
-    def spy(sched, tables):
-        wait = launch(sched, tables)
+    def spy(sched, tables, follows=False):
+        wait = launch(sched, tables, follows)
 
         def spy_wait():
             result = wait()
