@@ -169,9 +169,10 @@ def pack_step(
     rows: list[ScheduledRow], block_tables: np.ndarray, block_size: int, follows: bool = False
 ) -> HostStep:
     """Host arrays of one step. `block_tables` [R, B] int64: row i is rows[i]'s block table,
-    zero past its end (BlockTableMirror.rows). `follows`: every row is a decode row of the
-    speculative step in flight, packed from the state before it (follow.py): its anchor is
-    pending, its round the next one, and the device moves its positions.
+    zero past its end (BlockTableMirror.rows). `follows`: the step follows the speculative
+    step in flight (follow.py); its rows with draft slots are that step's, packed from the
+    state before it: from its last known token, its anchor pending, its round the next one,
+    and the device moves its positions (rows without draft slots are new requests' prompts).
 
     Hot (every step, up to max_num_seqs rows, the host's critical path of a speculative
     step): one Python pass over the rows, then a fixed number of whole-array numpy calls
@@ -186,13 +187,15 @@ def pack_step(
         req, p = r.req, r.req.params
         s, caps = req.num_computed_tokens, r.num_draft_slots
         nd = r.num_new_tokens - caps
-        if follows:  # (nd = 1: the anchor the step in flight emits last)
+        moved = follows and caps > 0  # (nd = 1: the anchor the step in flight emits last)
+        if moved:
+            s = req.num_tokens - 1
             toks.append(PENDING_TOKEN)
         else:
             toks += req.token_ids[s : s + nd]
             if req.num_pending and s + nd > len(req.token_ids):  # sampled by the step in
                 toks += [PENDING_TOKEN] * (s + nd - max(s, len(req.token_ids)))  # flight
-        per_row.append((r.samples, caps, nd, s, req.slot, req.seed, req.round + follows,
+        per_row.append((r.samples, caps, nd, s, req.slot, req.seed, req.round + moved,
                         p.top_k, r.num_new_tokens, s + r.num_new_tokens))  # fmt: skip
         per_row_f.append((p.temperature, p.top_p, p.min_p))
     cols = np.array(per_row, dtype=np.int64).reshape(num_reqs, 10).T

@@ -188,11 +188,20 @@ class LLMEngine:
         finally:
             self.stats["step_time_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, follow: bool = False) -> SchedulerOutput | None:
+        """The next step; with `follow`, one following the speculative step in flight
+        (follow.py: that step had every running request's row, and the running requests
+        have only dwindled since, as admissions come with schedules), or None where the
+        scheduler cannot make one."""
         spec = self.runner.spec
         if spec is not None:  # draft slots charged as steps with prefill have verified them
             self.scheduler.draft_share = spec.draft_share
-        sched = self.scheduler.schedule()
+        if follow:
+            sched = self.scheduler.schedule_follow(follow_extra(self.num_spec_tokens))
+            if sched is None:
+                return None
+        else:
+            sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         for req in sched.preempted:
             self._release_slot(req)
@@ -206,16 +215,6 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput):
         return self.runner.launch(sched, self.block_tables.rows([r.req for r in sched.rows]),
                                   sched.follows)  # fmt: skip
-
-    def _schedule_follow(self, previous: Launched | None) -> SchedulerOutput | None:
-        """The next step of the speculative step in flight, scheduled before it is committed
-        (follow.py), or None: nothing to follow, or this step cannot (its rows are not all
-        running any more, or the scheduler's checks)."""
-        if previous is None or previous.advanced:
-            return None
-        if len(self.scheduler.running) != len(previous.sched.rows):  # (one aborted, ...)
-            return None
-        return self.scheduler.schedule_follow(follow_extra(self.num_spec_tokens))
 
     def _step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then build the outputs of the last commit while it runs
@@ -239,8 +238,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         captures = self.runner.num_graph_captures()
         previous, committed, outputs = self._in_flight, [], []
-        sched = self._schedule_follow(previous)
-        if sched is None and previous is not None and not previous.advanced:
+        # (a speculative step in flight is one the next may follow: see _followable)
+        follow = previous is not None and not previous.advanced
+        sched = self._schedule(follow=True) if follow else None
+        if sched is None and follow:
             self._in_flight = None  # its outcome decides the next step: committed first
             outputs = self._deliver_outputs()
             committed.append(self._commit_launched(previous))
@@ -253,7 +254,7 @@ class LLMEngine:
             self.stats["followed_steps"] += sched.follows
             spec = self.runner.spec  # what the online cost model must know of this step
             advanced = self.async_scheduling and self._predictable(sched)
-            ahead = advanced or (self.follows and self._followable())
+            ahead = advanced or (self.follows and self._followable(sched))
             launched = Launched(sched, wait, None if spec is None else spec.step_tag(),
                                 None if spec is None else spec.take_prediction(), advanced,
                                 0 if advanced or spec is None else spec.rows_with_drafts())
@@ -310,11 +311,13 @@ class LLMEngine:
         spec = self.runner.spec
         return spec is None or (not spec.draft_enabled and sched.num_draft_slots == 0)
 
-    def _followable(self) -> bool:
+    def _followable(self, sched: SchedulerOutput) -> bool:
         """Whether the speculative step just launched may stay in flight, the next one
-        following it: its rows are all decode rows and it drafts for every one (follow.py)."""
+        following it (follow.py): its rows are every running request's, each samples, and it
+        drafts for every one."""
         spec = self.runner.spec
-        return spec.draft_enabled and not spec.probing and self.runner.last_decode_only
+        return (spec.draft_enabled and not spec.probing and self.runner.last_all_sample
+                and len(sched.rows) == len(self.scheduler.running))  # fmt: skip
 
     def _commit_launched(self, launched: Launched) -> tuple:
         """Wait for a launched step and commit it; returns (schedule, result, tag)."""

@@ -92,7 +92,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, device)
         self.spec = None
         self.last_kind = "plain"  # the kind of the step launched last, without speculation
-        self.last_decode_only = False  # ... and whether its rows were decode rows only
+        self.last_all_sample = False  # ... and whether every row of it sampled
         with tensor_parallel(self.tp):  # layers built here are sharded over the group
             self.model = load_target(model_cfg, config.model, dtype, device, dummy)
             if config.speculative_config is not None:
@@ -231,11 +231,9 @@ class ModelRunner:
         host = pack_step(rows, block_tables, self.block_size, follows)
         if self.spec is None:  # (a speculative step's kind: SpecDecoder.last_kind, at plan)
             self.last_kind = "mixed" if host.get("max_query_len") > 1 else "plain"
-        # every row a decode row that samples (one token beside its draft slots): a step the
-        # next one may follow, if it drafts for every row (follow.py)
-        n = len(rows)
-        self.last_decode_only = (host.get("num_samples") == n
-                                 and host.get("num_tokens") == n + host.get("num_draft_fills"))
+        # every row samples (no prompt chunk but a prompt's last): a step the next one may
+        # follow, if it drafts for every row (follow.py)
+        self.last_all_sample = host.get("num_samples") == len(rows)
         # the lagged policy's budget, from the packed rows and stale confidences (host only)
         plan = self.spec.plan(host, sched.draft_room) if self.spec is not None else None
         if self.spec is not None and self.spec.skip_idle_write:

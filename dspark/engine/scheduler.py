@@ -136,6 +136,10 @@ class Scheduler:
         if out.preempted:
             out.num_draft_slots = out.draft_room = sum(r.num_draft_slots for r in out.rows)
             return out  # no admissions while memory is short (the budget does not bind)
+        return self._admit(out, budget, room)
+
+    def _admit(self, out: SchedulerOutput, budget: int, room: int) -> SchedulerOutput:
+        """Admit waiting requests in order while the budget, seats and blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.bm.find_cached_prefix(req)
@@ -155,30 +159,24 @@ class Scheduler:
         return out
 
     def schedule_follow(self, extra: int) -> SchedulerOutput | None:
-        """The next step of running requests whose speculative step is still in flight, each
-        a decode row with every draft slot (that step drafts for all), from the counters
-        before it; each row's blocks cover `extra` tokens more (that step's longest outcome:
-        follow.py). None where the step cannot follow: a waiting request has a free seat,
-        the budget or blocks are short (no preemption here: blocks allocated so far stay with
-        their requests, which need them next anyway). The caller checks that the running
-        requests are that step's rows. A row that step ends by length is scheduled all the
-        same (the step does not know it): a wasted row, as after a stop token."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None
+        """The next step after a speculative step still in flight whose rows were every
+        running request, each sampling, and which drafts for every row (follow.py): each
+        running request a decode row of 1 + K tokens from its last known token (its anchor
+        is that step's last emitted token, its position moved on the device), its blocks
+        covering `extra` tokens more (that step's longest outcome); then admissions as
+        usual. None where the step cannot follow: the budget or blocks are short for a
+        running request (no preemption here: blocks allocated so far stay with their
+        requests, which need them next anyway). A row that step ends (a stop token, its
+        length) is scheduled all the same (the step does not know it): a wasted row."""
         out = SchedulerOutput(follows=True)
         budget, k = self.max_num_batched_tokens, self.num_lookahead_slots
         charged = math.ceil(self.draft_share * k)
         room = 0
         for req in self.running:
-            num_new = req.num_tokens - req.num_computed_tokens + k
-            cost = num_new - k + charged
-            if (num_new != 1 + k or cost > budget
-                    or not self.bm.allocate(req, req.num_computed_tokens + num_new + extra)):
+            if 1 + charged > budget or not self.bm.allocate(req, req.num_tokens + k + extra):
                 return None
-            out.rows.append(ScheduledRow(req, num_new, k, True))
-            budget -= cost
+            out.rows.append(ScheduledRow(req, 1 + k, k, True))
+            budget -= 1 + charged
             room += charged
         out.num_draft_slots = k * len(out.rows)
-        out.draft_room = room + budget
-        return out
-
+        return self._admit(out, budget, room)

@@ -326,7 +326,7 @@ class StepGraphs(StepGraphCapture):
     def _step(self, key: tuple) -> torch.Tensor:
         rn, spec = self.runner, self.spec
         inp = self._inputs(key)
-        if key[0] in ("spec", "trim") and rn.last_counts is not None:  # (may follow: follow.py)
+        if key[0] != "plain" and rn.last_counts is not None:  # (a step may follow: follow.py)
             follow_inputs(inp, rn.last_counts, rn.block_size,
                           self.dev_buf[self._layout(key).follows])  # fmt: skip
         if key[0] == "trim":
