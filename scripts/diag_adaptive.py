@@ -33,10 +33,10 @@ class StepLog:
         runner = engine.runner
         launch, step = runner.launch, engine.step
 
-        def spy_launch(sched, tables):
+        def spy_launch(sched, tables, follows=False):
             spec = runner.spec
             plan0 = None if spec is None else spec.overhead.plan_total_ms()
-            wait = launch(sched, tables)
+            wait = launch(sched, tables, follows)
             rec = {"rows": len(sched.rows), "tokens": sched.num_tokens,
                    "prefill": any(r.num_non_draft_tokens > 1 for r in sched.rows),
                    "slots": sum(r.num_draft_slots for r in sched.rows),

@@ -135,7 +135,7 @@ fi
 if has tests; then
   # GPU_TESTS: another list of test files (e.g. tests/e2e/test_cuda_graphs.py alone)
   timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/e2e/test_cuda_parity.py \
-    tests/e2e/test_cuda_graphs.py tests/e2e/test_cuda_follow.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
+    tests/e2e/test_cuda_graphs.py tests/e2e/test_cuda_follow.py tests/kernels/test_follow_triton.py tests/kernels/test_fused_ops.py tests/kernels/test_rng_triton.py \
     tests/kernels/test_attention_variants.py tests/kernels/test_attention_invariance.py \
     tests/kernels/test_draft_argmax.py \
     tests/kernels/test_context_write.py tests/kernels/test_top_b_triton.py \

@@ -33,7 +33,7 @@ PHASES = (("forward", "target_forward"), ("verify", "verify"), ("propose", "prop
           ("choose_lengths", "allocate"))  # fmt: skip
 
 
-def _step_kind(sched, block_tables) -> str:
+def _step_kind(sched, block_tables, follows=False) -> str:
     rows = sched.rows
     if any(r.num_non_draft_tokens > 1 for r in rows):
         return "step::mixed"

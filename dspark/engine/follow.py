@@ -42,6 +42,8 @@ import torch
 
 from dspark.attention.base import compute_token_to_req
 
+FUSED = os.environ.get("DSPARK_FUSED_OPS", "1") != "0"  # the Triton kernel on CUDA
+
 
 def follow_enabled() -> bool:
     return os.environ.get("DSPARK_FOLLOW", "1") != "0"
@@ -60,6 +62,10 @@ def follow_inputs(inp, last_counts: torch.Tensor, block_size: int, follows) -> N
     either). Positions, starts and sequence lengths move; KV slots are looked up again;
     padding tokens keep the sentinel slot. Runs before `finalize` (which compacts from
     these)."""
+    if inp.positions.is_cuda and FUSED:  # one launch (follow_triton.py)
+        from dspark.engine.follow_triton import follow_inputs_triton
+
+        return follow_inputs_triton(inp, last_counts, block_size, follows)
     r = inp.num_reqs
     shift = last_counts[inp.slots] * ((inp.capacities > 0) * follows)  # [R]
     row = compute_token_to_req(inp.query_start_loc, inp.num_tokens).long()

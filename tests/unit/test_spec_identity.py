@@ -111,16 +111,17 @@ def test_acceptance_accounting(tiny_qwen, reference, tmp_path):
 
 def test_block_tables_fit_the_graph_buffers_at_max_model_len(tiny_qwen, drafter):
     """CUDA graphs size their block-table buffer by max_blocks_per_seq; a sequence at
-    max_model_len with K lookahead slots must fit it."""
+    max_model_len with K lookahead slots (and a following step's K + 1 more: follow.py) must
+    fit it."""
     spec = {"model": drafter("vanilla"), "num_speculative_tokens": 7}
     llm = LLM(tiny_qwen, device="cpu", block_size=4, max_model_len=40, speculative_config=spec)
     runner = llm.engine.runner
     widest = []
     launch = runner.launch  # every step the engine runs starts here
 
-    def spy(sched, tables):
+    def spy(sched, tables, follows=False):
         widest.append(max(len(t) for t in tables))
-        return launch(sched, tables)
+        return launch(sched, tables, follows)
 
     runner.launch = spy
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

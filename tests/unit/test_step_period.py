@@ -69,9 +69,12 @@ def test_observed_step_cost_spans_the_drivers_work_between_steps(tiny_qwen, draf
     assert seen[0] <= first + 1.0 and seen[1] <= second + 1.0 and seen[2] <= third + 1.0
 
 
-def test_steps_scheduled_ahead_count_the_drivers_work_too(tiny_qwen, drafter):
+def test_steps_scheduled_ahead_count_the_drivers_work_too(tiny_qwen, drafter, monkeypatch):
     """With async scheduling a step that drafts nothing stays in flight and is committed (and
-    observed) by the next call: its period still spans the driver's work between calls."""
+    observed) by the next call: its period still spans the driver's work between calls.
+    (Without following steps, whose switch to plain steps commits two steps in one call:
+    unobserved; test_follow.py.)"""
+    monkeypatch.setenv("DSPARK_FOLLOW", "0")
     llm = LLM(tiny_qwen, device="cpu", speculative_config={
         "model": drafter, "num_speculative_tokens": 3, "adaptive_policy": "lagged",
         "min_predicted_gain": 9.9})  # drafting never pays: plain steps, scheduled ahead
