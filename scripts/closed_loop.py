@@ -53,6 +53,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     kinds0 = {kind: list(v) for kind, v in engine.step_kinds.items()}
     start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
+    followed0 = engine.stats["followed_steps"]
     while added < min(concurrency, len(prompts)):
         add()
     while engine.has_unfinished_requests():
@@ -71,6 +72,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     policy = _policy_counts(engine)
     return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
             "steps": engine.stats["steps"] - steps0,
+            "followed": engine.stats["followed_steps"] - followed0,  # (dspark/engine/follow.py)
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
             # steps launched and their periods (ms) by kind, every engine
             "kinds": {kind: [n - kinds0[kind][0], ms - kinds0[kind][1]]
@@ -214,6 +216,7 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "mean_tpot_ms": statistics.fmean(tpots) if tpots and latencies else None,
         "mean_ttft_ms": statistics.fmean(ttfts) if ttfts and latencies else None,
         "steps": run["steps"],
+        "followed_steps": run["followed"],  # (launched following the step in flight)
         # engine.step()'s own time per step; the rest of the wall time is the loop's
         "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
         # requests running after each step() call (its launched step's, less finished ones)

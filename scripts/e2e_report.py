@@ -365,6 +365,11 @@ def _priced(policy: dict | None) -> str:
     return f" p{v['plain_ms'] / n:.3f}/{v['verify_ms'] / n:.3f}"
 
 
+def _followed(followed: int | None, steps: int | None) -> str:
+    """" f412/530": steps launched following the step in flight, of all (when any)."""
+    return f" f{followed}/{steps}" if followed else ""
+
+
 def print_offline_steps(names: list[str], sweep: dict) -> None:
     """Each arm's mean step period by kind in every offline round (where an arm's time went
     beside another's: fifty-third session), and what a speculative arm's decisions priced
@@ -372,16 +377,18 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
     def per_round(lv: dict) -> list[str]:
         kinds = lv.get("rounds_kinds") or []
         policies = lv.get("rounds_policy") or [None] * len(kinds)
-        return [_kind_ms(k) + _priced(p) + _survival(p)
-                for k, p in zip(kinds, policies, strict=True) if k]  # fmt: skip
+        followed = lv.get("rounds_followed") or [(None, None)] * len(kinds)
+        return [_kind_ms(k) + _priced(p) + _survival(p) + _followed(*f)
+                for k, p, f in zip(kinds, policies, followed, strict=True) if k]  # fmt: skip
 
     for t in sweep["temperatures"]:
         for n in names:
             _print_levels(f"{n} offline at T={t:g}, each round's ms a step by kind "
                           f"({' / '.join(STEP_KINDS)}; the engine's periods), p: the plain / "
-                          "verify-all step ms its drafting verdicts priced, and s: drafts a "
+                          "verify-all step ms its drafting verdicts priced, s: drafts a "
                           "checked row got accepted / the decision's estimate / its "
-                          "confidences' (when any): ", arm_levels(sweep, n, t), per_round)
+                          "confidences', f: steps that followed the one in flight / all "
+                          "(when any): ", arm_levels(sweep, n, t), per_round)
 
 
 def _print_levels(head: str, levels: list[dict], per_round) -> None:
