@@ -8,6 +8,7 @@ import pytest
 from dspark import LLM, SamplingParams
 from dspark.engine.step_graph import StepGraphs
 from tests.unit.launch_trace import trace_steps
+from tests.unit.streamed_run import run_streamed
 
 PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
 MAX_TOKENS = [14, 5, 21, 9, 1, 12]
@@ -21,24 +22,7 @@ def _run(target, async_on: bool, temperature: float, graphs: bool = False, stops
     assert eng.async_scheduling is async_on
     if graphs:  # the padded whole-step path, run without capture
         eng.runner.step_graphs = StepGraphs(eng.runner, use_graphs=False)
-    eng.stream_outputs = True
-    for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        params = SamplingParams(temperature=temperature, seed=7 + i, max_tokens=m,
-                                ignore_eos=True, stop_token_ids=stops[i] if stops else None)
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    streamed: dict[str, list[int]] = {}
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            assert out.request_id not in final
-            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
-    assert sorted(final) == sorted(f"r{i}" for i in range(len(PROMPTS)))
-    for rid, (tokens, _) in final.items():
-        assert streamed[rid] == tokens
-    eng.block_manager.check_integrity()
-    assert not eng.block_manager.block_tables  # every block given back
+    final = run_streamed(eng, PROMPTS, MAX_TOKENS, temperature, stops)
     return final, eng
 
 

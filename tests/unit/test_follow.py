@@ -11,6 +11,7 @@ from dspark import LLM, SamplingParams
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.step_graph import StepGraphs
 from tests.unit.launch_trace import trace_steps
+from tests.unit.streamed_run import run_streamed
 
 PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
 MAX_TOKENS = [40, 23, 51, 9, 33, 30]
@@ -58,24 +59,7 @@ def _run(target, spec, follow: bool, temperature: float, graphs: bool = False, s
         return launch(sched, tables, follows)
 
     eng.runner.launch = counting_launch
-    eng.stream_outputs = True
-    for i, (p, m) in enumerate(zip(PROMPTS, max_tokens, strict=True)):
-        params = SamplingParams(temperature=temperature, seed=7 + i, max_tokens=m,
-                                ignore_eos=True, stop_token_ids=stops[i] if stops else None)
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    streamed: dict[str, list[int]] = {}
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            assert out.request_id not in final
-            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
-    assert sorted(final) == sorted(f"r{i}" for i in range(len(PROMPTS)))
-    for rid, (tokens, _) in final.items():
-        assert streamed[rid] == tokens
-    eng.block_manager.check_integrity()
-    assert not eng.block_manager.block_tables  # every block given back
+    final = run_streamed(eng, PROMPTS, max_tokens, temperature, stops)
     eng.followers_with_prompts = followers[1]
     return final, eng, followers[0]
 
