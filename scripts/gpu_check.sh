@@ -160,7 +160,8 @@ if has profile; then
   python3 scripts/profile_example.py --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
 fi
 if has step; then
-  python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | tee "$OUT/step.log" | tail -30
+  timeout -k 10 ${STEP_TIMEOUT:-300} python3 scripts/profile_step.py --out "$OUT" ${STEP_ARGS:-} 2>&1 \
+    | tee "$OUT/step.log" | tail -30
 fi
 if has probe; then
   # (the script's own default levels: --concurrency 16,32,64)
