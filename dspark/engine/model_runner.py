@@ -239,6 +239,8 @@ class ModelRunner:
         if self.spec is not None and self.spec.skip_idle_write:
             self._context_gaps(rows, block_tables, host)
         key = None if self.step_graphs is None else self.step_graphs.key_for(host, plan)
+        if key is not None and host.get("follows") and not self.step_graphs.captured(key):
+            key = None  # (a following step is never a graph's first use)
         clock = self.step_clock.begin()  # (None unless DSPARK_STEP_CLOCK=1)
         if key is not None:  # the whole device half as (at most) two graph replays
             try:

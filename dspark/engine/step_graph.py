@@ -150,17 +150,11 @@ class StepGraphs(StepGraphCapture):
             return None  # threshold / early-stop choose lengths on the device: eager
         tb = self._trim_bucket(rb, host.forward_tokens(budget))
         if budget is None or (budget >= host.num_draft_slots() and tb == rb * (1 + self.k)):
-            key = "spec", rb, mode  # every row's 1 + K tokens, padding rows included
-        else:  # trimmed, or a lagged verify-all whose stream fills a smaller bucket (fewer
-            # drafts, as after a probe, or fewer rows): allocate the budget, compact to a bucket
-            key = ("trim", rb, mode, tb)
-            if key in self.failed:
-                return None
-        # a following step is never a graph's first use: the warm-up run would record its
-        # emitted tokens where the replay then reads its pending inputs (per-phase path)
-        if g("follows") and self.use_graphs and key not in self.graphs:
-            return None
-        return key
+            return "spec", rb, mode  # every row's 1 + K tokens, padding rows included
+        # trimmed, or a lagged verify-all whose stream fills a smaller bucket (fewer drafts, as
+        # after a probe, or fewer rows): allocate the budget, compact to a token bucket
+        key = ("trim", rb, mode, tb)
+        return None if key in self.failed else key
 
     def _mixed_key(self, host: HostStep, budget: int | None, rb: int, mode: str):
         """(family, rows bucket, mode, token bucket) of a step with prefill chunks; "mixed"

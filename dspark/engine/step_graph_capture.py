@@ -73,6 +73,13 @@ class StepGraphCapture:
         if self.use_graphs:
             torch.cuda.synchronize()
 
+    def captured(self, key: tuple) -> bool:
+        """Whether `key` replays a graph captured before (or runs uncaptured: CPU tests). A
+        step that follows the one in flight (follow.py) takes the per-phase path where not:
+        a first use's warm-up run would record the tokens it emits where its replay then
+        reads its pending inputs."""
+        return not self.use_graphs or key in self.graphs
+
     def mixed_startup_keys(self, rb: int) -> list[tuple]:
         """Keys of steps with prefill chunks captured at start-up for request bucket rb: token
         buckets from its fewest rows up to its decode/verify stream plus

@@ -56,9 +56,15 @@ def test_following_graph_steps_match_waited_for_eager_steps(ckpt_dir, tmp_path, 
         ref_st.num_verified_tokens, ref_st.num_accepted_tokens)
 
 
-def test_following_trimmed_plans_on_graphs_keep_the_target_greedy_output(ckpt_dir, tmp_path):
+@pytest.mark.parametrize("capture_trims", [True, False])
+def test_following_trimmed_plans_on_graphs_keep_the_target_greedy_output(
+        ckpt_dir, tmp_path, monkeypatch, capture_trims):  # fmt: skip
+    """Lagged plans that trim; with DSPARK_CAPTURE_TRIMS=0 a trimmed key is captured on first
+    use, which a following step never is (StepGraphCapture.captured): it takes the
+    per-phase path, and a later waited-for step captures the key."""
     from dspark.spec.cost_model import CostModel
 
+    monkeypatch.setenv("DSPARK_CAPTURE_TRIMS", "1" if capture_trims else "0")
     path = ckpt_dir("qwen3_gqa2")
     table = str(tmp_path / "cost.json")
     CostModel.analytic(fixed_overhead_ms=0.0, weight_read_ms=1.0, ms_per_token=0.08,
