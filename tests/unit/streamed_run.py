@@ -27,3 +27,26 @@ def run_streamed(eng, prompts, max_tokens, temperature: float, stops=None) -> di
     eng.block_manager.check_integrity()
     assert not eng.block_manager.block_tables  # every block given back
     return final
+
+
+def abort_in_flight(eng, max_tokens: int, steps: int, in_flight) -> dict:
+    """Requests a0-a2 (greedy, `max_tokens` each); after `steps` step() calls, when
+    `in_flight(eng)` holds, a1 (whose row is in the step in flight) is aborted and a3 added
+    (it takes a1's slot). Returns request id -> final tokens of what finished."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"a{i}", {"prompt_token_ids": [5 + i, 8, 13, 21]}, params)
+    seen = []
+    for _ in range(steps):
+        seen += eng.step()
+    assert in_flight(eng)
+    eng.abort_request("a1")
+    eng.add_request("a3", {"prompt_token_ids": ABORT_NEXT_PROMPT}, params)
+    while eng.has_unfinished_requests():
+        seen += eng.step()
+    done = {o.request_id: o.outputs[0].token_ids for o in seen if o.finished}
+    assert sorted(done) == ["a0", "a2", "a3"]
+    return done
+
+
+ABORT_NEXT_PROMPT = [2, 3, 5, 7, 11]  # (a3's, in abort_in_flight)

@@ -8,7 +8,7 @@ import pytest
 from dspark import LLM, SamplingParams
 from dspark.engine.step_graph import StepGraphs
 from tests.unit.launch_trace import trace_steps
-from tests.unit.streamed_run import run_streamed
+from tests.unit.streamed_run import ABORT_NEXT_PROMPT, abort_in_flight, run_streamed
 
 PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
 MAX_TOKENS = [14, 5, 21, 9, 1, 12]
@@ -79,21 +79,10 @@ def test_abort_while_a_step_is_in_flight(tiny_qwen):
     llm = LLM(tiny_qwen, device="cpu", block_size=4)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    for i in range(3):
-        eng.add_request(f"a{i}", {"prompt_token_ids": [5 + i, 8, 13, 21]}, params)
-    seen = []
-    for _ in range(3):
-        seen += eng.step()
-    assert eng._in_flight is not None
-    eng.abort_request("a1")  # its row is in the step in flight
-    eng.add_request("a3", {"prompt_token_ids": [2, 3, 5, 7, 11]}, params)  # takes its slot
-    while eng.has_unfinished_requests():
-        seen += eng.step()
-    done = {o.request_id: o.outputs[0].token_ids for o in seen if o.finished}
-    assert sorted(done) == ["a0", "a2", "a3"]
+    done = abort_in_flight(eng, 10, 3, lambda e: e._in_flight is not None)
     assert all(len(t) == 10 for t in done.values())
     alone = LLM(tiny_qwen, device="cpu", block_size=4, async_scheduling=False).generate(
-        [{"prompt_token_ids": [2, 3, 5, 7, 11]}], params, use_tqdm=False)  # fmt: skip
+        [{"prompt_token_ids": ABORT_NEXT_PROMPT}], params, use_tqdm=False)  # fmt: skip
     assert done["a3"] == alone[0].outputs[0].token_ids  # the reused slot fed it its own tokens
     eng.block_manager.check_integrity()
     assert not eng.block_manager.block_tables

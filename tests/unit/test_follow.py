@@ -11,7 +11,7 @@ from dspark import LLM, SamplingParams
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.step_graph import StepGraphs
 from tests.unit.launch_trace import trace_steps
-from tests.unit.streamed_run import run_streamed
+from tests.unit.streamed_run import ABORT_NEXT_PROMPT, abort_in_flight, run_streamed
 
 PROMPTS = [list(range(30 + 3 * i, 30 + 3 * i + n)) for i, n in enumerate((3, 17, 6, 11, 2, 9))]
 MAX_TOKENS = [40, 23, 51, 9, 33, 30]
@@ -156,22 +156,12 @@ def test_abort_while_a_followed_step_is_in_flight(tiny_qwen, drafter):
     llm = LLM(tiny_qwen, device="cpu", block_size=4, speculative_config=spec)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    for i in range(3):
-        eng.add_request(f"a{i}", {"prompt_token_ids": [5 + i, 8, 13, 21]}, params)
-    seen = []
-    for _ in range(4):
-        seen += eng.step()
-    assert eng._in_flight is not None and not eng._in_flight.advanced  # a speculative step
-    eng.abort_request("a1")  # its row is in the step in flight
-    eng.add_request("a3", {"prompt_token_ids": [2, 3, 5, 7, 11]}, params)  # takes its slot
-    while eng.has_unfinished_requests():
-        seen += eng.step()
-    done = {o.request_id: o.outputs[0].token_ids for o in seen if o.finished}
-    assert sorted(done) == ["a0", "a2", "a3"]
+    done = abort_in_flight(eng, 30, 4, lambda e: e._in_flight is not None
+                           and not e._in_flight.advanced)  # (a speculative step)  # fmt: skip
     alone = LLM(tiny_qwen, device="cpu", block_size=4, speculative_config=spec)
     alone.engine.follows = False
     for rid in ("a0", "a3"):
-        prompt = [2, 3, 5, 7, 11] if rid == "a3" else [5, 8, 13, 21]
+        prompt = ABORT_NEXT_PROMPT if rid == "a3" else [5, 8, 13, 21]
         ref = alone.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         assert done[rid] == ref[0].outputs[0].token_ids
     eng.block_manager.check_integrity()
