@@ -23,7 +23,7 @@ from dspark.config import EngineConfig
 from dspark.engine.block_manager import BlockManager, BlockTableMirror
 from dspark.engine.commit import commit_step
 from dspark.engine.detokenizer import Detokenizer
-from dspark.engine.follow import follow_enabled, follow_extra
+from dspark.engine.follow import follow_extra
 from dspark.engine.loading import load_tokenizer, resolve_device
 from dspark.engine.model_runner import ModelRunner, StepResult
 from dspark.engine.output_builder import build_outputs, make_output, needs_text
@@ -115,7 +115,7 @@ class LLMEngine:
         # async scheduling (config.schedules_ahead): the step launched last and not yet
         # committed; a speculative one only where the next step follows it (follow.py)
         self.async_scheduling = self.runner.feeds_pending
-        self.follows = self.async_scheduling and self.runner.spec is not None and follow_enabled()
+        self.follows = self.runner.last_counts is not None  # (the runner's: follow.py)
         self._in_flight: Launched | None = None
         # the last committed step's period for the online cost model (observed: _step)
         self._unobserved: tuple | None = None

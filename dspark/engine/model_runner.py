@@ -24,7 +24,7 @@ import torch
 
 from dspark.attention import select_backend
 from dspark.config import EngineConfig, schedules_ahead
-from dspark.engine.follow import follow_extra, follow_inputs
+from dspark.engine.follow import follow_enabled, follow_extra, follow_inputs
 from dspark.engine.input_batch import (
     HostStep,
     finalize,
@@ -110,9 +110,10 @@ class ModelRunner:
         self.last_tokens = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64,
                                        device=device)  # fmt: skip
         # ... and how many tokens it emitted then, for a speculative step that follows the one
-        # in flight (follow.py; None without speculation or async scheduling)
-        self.last_counts = (torch.zeros_like(self.last_tokens)
-                            if self.feeds_pending and self.spec is not None else None)  # fmt: skip
+        # in flight (follow.py; None where no step follows: without speculation or async
+        # scheduling, or with DSPARK_FOLLOW=0, whose steps then pay nothing for it)
+        follows = self.feeds_pending and self.spec is not None and follow_enabled()
+        self.last_counts = torch.zeros_like(self.last_tokens) if follows else None
         self.num_blocks = num_kv_blocks(self)
         max_len = config.max_model_len or model_cfg.max_position_embeddings
         self.max_model_len = min(max_len, (self.num_blocks - 1) * self.block_size)
