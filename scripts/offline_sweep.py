@@ -200,14 +200,28 @@ def _arm_entry(result: dict, arm: str, llm) -> dict:
     return done
 
 
+def _step_logs(args, engines: list) -> list:
+    """With --step-log, a StepLog on each engine whose drafting decision is on (adaptive)."""
+    if not getattr(args, "step_log", False):
+        return []
+    from step_log import StepLog
+
+    path = os.path.join(args.out, "step_log.jsonl")
+    return [StepLog(llm.engine, arm, path) for arm, llm in engines
+            if llm.engine.runner.spec is not None and llm.engine.runner.spec.drafting.enabled]
+
+
 def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None:
     with contextlib.ExitStack() as stack:
         engines = [(arm, stack.enter_context(_open(args, arm, spec, levels)))
                    for arm, spec in run_order]  # fmt: skip
         for arm, llm in engines:
             _arm_entry(result, arm, llm)
+        logs = _step_logs(args, engines)
         for t in temps:
             for c in levels:
+                for log in logs:
+                    log.level = f"t{t:g}-c{c}"
                 runs: dict[str, list[dict]] = {arm: [] for arm, _ in engines}
                 orders = []
                 for r in range(rounds):
@@ -231,5 +245,7 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
                 for arm, rows in runs.items():
                     by_t = result["arms"][arm]["by_temperature"].setdefault(f"{t:g}", [])
                     by_t.append(median_round(rows, orders))
+                for log in logs:
+                    log.flush()
                 if on_arm is not None:
                     on_arm(result)

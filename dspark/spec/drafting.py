@@ -20,7 +20,7 @@ fewer tokens per step); not below 1, where a smaller budget would leave fewer ve
 to measure the ratio on, none at a zero budget. The device's top-B allocation still ranks the
 raw live confidences.
 
-Two kinds of probe keep both sides of the comparison measured:
+Three kinds of probe keep both sides of the comparison measured:
   draft probe   while skipping, every _PROBE_EVERY steps one step drafts for at most
                 PROBE_ROWS rows (a fresh survival estimate and speculative steps' cost),
                 further apart while verdicts for plain decoding stay wide;
@@ -36,7 +36,11 @@ Two kinds of probe keep both sides of the comparison measured:
                 ninth session's 4-step probes learned plain steps too cheap and turned
                 drafting off where it won; probes are now 12 steps (a term over ~10
                 observed ones), and only where plain steps at the table's bare forward
-                price could win (at low load drafting beats even that: no probe).
+                price could win (at low load drafting beats even that: no probe);
+  speculative probe  while drafting is off, a verdict for plain decoding on a speculative
+                term its batch size measured, but not lately, gets _SPEC_PROBE_STEPS steps
+                drafting for every row first (draft probes' few rows are not observed): a
+                term learned in a level's first steps held drafting off for the whole level.
 """
 
 from __future__ import annotations
@@ -46,11 +50,17 @@ import time
 
 import numpy as np
 
+from dspark.spec.acceptance_estimate import _ACCEPT_DECAY, AcceptanceEstimate
 from dspark.spec.decision_record import DecisionRecord
 from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
-from dspark.spec.plain_probes import _PLAIN_PROBE_STEPS, PlainProbes, plain_near
-from dspark.spec.rates import PositionRatios, decode_rates, predicted_accepted, prefix_survival
+from dspark.spec.plain_probes import (
+    _PLAIN_PROBE_STEPS,
+    _SPEC_PROBE_STEPS,
+    PlainProbes,
+    plain_near,
+)
+from dspark.spec.rates import PositionRatios, decode_rates
 
 _DECIDE_EVERY = 8  # steps between decisions (sooner when the batch size moves by a quarter
 # and by at least _MOVED_MIN requests: at c = 4 a request leaving or arriving moved 4 to 3 and
@@ -91,20 +101,9 @@ _PROBE_BACKOFF_MAX = 8
 # the decision re-runs at once when the batch size moves by a quarter, and single verdicts
 # there turned drafting off at c = 4 (logged at 3 requests; H200, trained pair)
 _FLIP_AFTER = 2
-_ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
-_ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used,
-# or this many observed decision steps: the decayed sum never exceeds 10x one step's
-# prediction, which at one request of low survival is under 8 (demo pair, H200, c = 1: 0.78
-# drafts predicted a step, 1.13 accepted, and the ratio stayed at 1 while the decision turned
-# drafting off on the underestimate where fixed K beat no speculation by 7%)
-_ACCEPT_MIN_STEPS = 16
-_ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
-_POSITION_RATIO_BOUNDS = (0.25, 4.0)  # ... and a position's own (rates.PositionRatios), which
-# corrects the shape of the survival curve: far positions' confidences were off by up to ~3x
-# where the first position's were by ~1.35x (H100, trained pair, T = 0)
 
 
-class DraftingDecision(PlainProbes):
+class DraftingDecision(PlainProbes, AcceptanceEstimate):
     def __init__(self, k: int, min_predicted_gain: float, enabled: bool,
                  plain_probes: bool = True, min_interval_s: float = 0.0,
                  clock=time.perf_counter):  # fmt: skip
@@ -137,6 +136,9 @@ class DraftingDecision(PlainProbes):
         self._plans = 0
         self._plain_probe_left = 0  # steps of the plain probe still to come
         self._plain_probed: dict[tuple, int] = {}  # (mode, batch-size bucket) -> its last probe
+        self._spec_probe_left = 0  # ... and a speculative probe's (plain_probes.py)
+        self._spec_probed: dict[tuple, tuple[int, int]] = {}  # ... -> (last probe, spacing)
+        self._spec_probe_key: tuple | None = None  # the probe the next decision judges
         self._flip_log = FlipLog()
         # its verdicts and checked predictions, summed for reports (decision_record.py)
         self.record = DecisionRecord()
@@ -166,7 +168,8 @@ class DraftingDecision(PlainProbes):
         they took the full path (145 of 400 plans at c = 16 with a 1 ms stub device,
         scripts/host_step_cost.py's loop on the development machine; "other" plans there
         9.7-10.3 -> 7.4-8.8 µs)."""
-        if self._forced or self._plain_probe_left or self.survival is None:
+        if (self._forced or self._plain_probe_left or self._spec_probe_left
+                or self.survival is None):  # fmt: skip
             return False  # (a decision is due, or a plain probe runs)
         if self._routine_due(self._since_decision + 1):
             return False  # (a routine decision is due: due()'s own test)
@@ -208,98 +211,6 @@ class DraftingDecision(PlainProbes):
         change = abs(num_reqs - self._decided_reqs)
         return change * 4 > num_reqs and change >= _MOVED_MIN
 
-    def update_survival(self, stale: np.ndarray, greedy: bool = True) -> np.ndarray:
-        """Fold the rows with drafts' stale confidences into the sampling mode's survival
-        estimate (EMA over decision steps; unknown confidences count as 1). Returns the rows'
-        prefix survivals (what `predicted_accepted` sums)."""
-        rows = prefix_survival(stale)
-        if rows.size:
-            self.updates += 1
-            survival = np.add.reduce(rows, axis=0)  # (the mean without np.mean's wrapper)
-            survival *= 1.0 / rows.shape[0]
-            prev = self._survival.get(greedy)
-            if prev is not None:
-                survival *= 0.2
-                survival += 0.8 * prev
-            self.survival = survival
-            self._survival[greedy] = self.survival
-        return rows
-
-    def survey(self, rows: np.ndarray, stale: np.ndarray, greedy: bool) -> tuple | None:
-        """A decision step's drafting rows (indices in the step) and their stale confidences:
-        update the mode's survival estimate and return the prediction that
-        `check_prediction` pairs with the drafts the step accepts (None: no row known). A
-        row whose slot has no confidences in the landed copy yet (NaN: its first drafts'
-        copy is in flight) would count as certain drafts: it is left out."""
-        # (numpy's Python wrappers cost several µs each with the caches cold: one C call
-        # tells that every row is known, the usual case)
-        if math.isnan(np.add.reduce(stale, axis=None)):
-            known = ~np.logical_or.reduce(np.isnan(stale), axis=1)
-            rows, stale = rows[known], stale[known]
-        if not rows.size:
-            return None
-        return rows, predicted_accepted(self.update_survival(stale, greedy)), greedy
-
-    def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
-        """Drafts accepted in a verified step against the number its rows' confidences
-        predicted at the lengths verified (`predicted_accepted`)."""
-        self.updates += 1
-        sums = self._accepted[greedy]
-        sums[0] = _ACCEPT_DECAY * sums[0] + accepted
-        sums[1] = _ACCEPT_DECAY * sums[1] + predicted
-        self._accept_steps[greedy] += 1
-
-    def check_prediction(self, prediction: tuple, emitted: list, verified: list) -> None:
-        """A committed step's accepted drafts against the number its rows' confidences
-        predicted at the lengths verified: prediction = (rows, predicted_accepted of their
-        confidences, sampling mode); emitted / verified per row of the step. Rows that emitted
-        nothing (finished meanwhile) or verified nothing are left out."""
-        rows, predicted, greedy = prediction
-        num_out = np.fromiter(map(len, emitted), dtype=np.int64, count=len(emitted))[rows]
-        lengths = np.minimum(np.asarray(verified, dtype=np.int64)[rows], predicted.shape[1] - 1)
-        ok = np.flatnonzero((num_out > 0) & (lengths > 0))
-        if ok.size:
-            accepted, lengths = np.minimum(num_out[ok] - 1, lengths[ok]), lengths[ok]
-            raw = float(predicted[ok, lengths].sum())
-            # (what the decision priced these rows at: before this step moves the ratios)
-            self.record.checked(self.estimate(greedy), accepted, lengths, raw)
-            self.observe_acceptance(greedy, float(accepted.sum()), raw)
-            self._by_position[greedy].observe(accepted, lengths, predicted[ok])
-
-    def acceptance_ratio(self, greedy: bool) -> float:
-        """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""
-        if not self._ratio_measured(greedy):
-            return 1.0
-        accepted, predicted = self._accepted[greedy]
-        lo, hi = _ACCEPT_RATIO_BOUNDS  # (every plan asks: no numpy on scalars)
-        return min(max(accepted / predicted, lo), hi)
-
-    def _ratio_measured(self, greedy: bool) -> bool:
-        predicted = self._accepted[greedy][1]
-        return predicted > 0.0 and (predicted >= _ACCEPT_MIN_PREDICTED
-                                    or self._accept_steps[greedy] >= _ACCEPT_MIN_STEPS)
-
-    def survival_of(self, greedy: bool) -> np.ndarray | None:
-        """The mode's mean prefix survival per position as surveyed (else the other mode's),
-        unscaled; None before any survey."""
-        return self._survival.get(greedy, self.survival)
-
-    def estimate(self, greedy: bool) -> list[float] | None:
-        """The mode's mean prefix survival (else the other mode's), scaled position by
-        position by its acceptance ratios (each position's where enough was predicted there,
-        else the one over all positions) and kept a non-increasing probability (K floats:
-        see decode_rates)."""
-        survival = self.survival_of(greedy)
-        if survival is None:
-            return None
-        ratio, out, low = self.acceptance_ratio(greedy), [], 1.0
-        ratios = (self._by_position[greedy].ratios(ratio, _POSITION_RATIO_BOUNDS)
-                  if self._ratio_measured(greedy) else [ratio] * self.k)  # fmt: skip
-        for s, r in zip(survival[: self.k].tolist(), ratios):
-            low = min(low, max(s * r, 0.0))  # (clipped to [0, 1], non-increasing)
-            out.append(low)
-        return out
-
     def after_plan(self, decide: bool, cost, fixed: FixedCosts, online: bool, num_reqs: int,
                    num_sampling: int, prefill_tokens: int) -> tuple[bool, bool]:  # fmt: skip
         """(whether this step drafts, whether that is a draft probe: a few rows only).
@@ -311,13 +222,18 @@ class DraftingDecision(PlainProbes):
             verdict = self._pays(cost, fixed, num_sampling)
             against = not verdict and self.pays and online
             stale = against and self._plain_term_stale(fixed, num_sampling, prefill_tokens)
+            # nor does drafting stay off on a speculative term not measured lately here
+            spec_stale = not (stale or verdict or self.pays or not online) and (
+                self._spec_term_stale(fixed, num_sampling, prefill_tokens))
             # nor does drafting turn off on a plain term learned at another batch size where
             # no probe can measure this one now: the verdict waits (plain_near)
-            counted = not (stale or (against and self.plain_probes
-                                     and not plain_near(fixed, num_sampling)))  # fmt: skip
+            far = against and self.plain_probes and not plain_near(fixed, num_sampling)
+            counted = not (stale or spec_stale or far)
             if stale:  # measure plain steps now, then decide again on both terms
                 self._plain_probe_left = _PLAIN_PROBE_STEPS
                 self._plain_probed[(fixed.greedy, size_bucket(num_sampling))] = self._plans
+            elif spec_stale:  # likewise speculative steps (plain_probes.py)
+                self._spec_probe_left = _SPEC_PROBE_STEPS
             elif counted and verdict == self.pays:
                 self._against = 0
             elif counted:
@@ -338,6 +254,8 @@ class DraftingDecision(PlainProbes):
             # (a forced decision that finds drafting still ahead widely leaves the spacing)
             if self._min_interval_s > 0:
                 self._decided_at = self._clock()
+            if self._spec_probe_key is not None and not spec_stale:  # (after such a probe)
+                self._spec_probe_judged(not self.pays and self._wins_widely(False))
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
                 self._after_probe = False
                 self._probe_spacing = (min(2 * self._probe_spacing, _PROBE_BACKOFF_MAX)
@@ -349,6 +267,11 @@ class DraftingDecision(PlainProbes):
             if self._plain_probe_left == 0:
                 self._forced = True  # decide again on the measured term
             return False, False
+        if self._spec_probe_left > 0:  # every row drafts (an ordinary drafting step)
+            self._spec_probe_left -= 1
+            if self._spec_probe_left == 0:
+                self._forced = True
+            return True, False
         self._skipped = 0 if self.pays else self._skipped + 1
         probe = not self.pays and self._skipped % (_PROBE_EVERY * self._probe_spacing) == 0
         if probe:  # the next step verifies the probe's drafts: it decides on their survival

@@ -1,9 +1,13 @@
-"""The drafting decision's plain probes (DraftingDecision's mixin; drafting.py's module doc):
-while drafting pays, a batch size whose plain steps were not measured lately gets
-_PLAIN_PROBE_STEPS steps without drafting, so that plain decoding is priced with its own fixed
-term rather than the speculative steps'."""
+"""The drafting decision's probes of its fixed terms (DraftingDecision's mixin; drafting.py's
+module doc). Plain probes: while drafting pays, a batch size whose plain steps were not
+measured lately gets _PLAIN_PROBE_STEPS steps without drafting, so that plain decoding is
+priced with its own fixed term rather than the speculative steps'. Speculative probes: while
+drafting is off, a verdict for plain decoding on a speculative term not measured lately at
+this batch size gets _SPEC_PROBE_STEPS steps drafting for every row first."""
 
 from __future__ import annotations
+
+import math
 
 from dspark.spec.online_cost import FixedCosts, size_bucket
 
@@ -23,6 +27,22 @@ _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # this factor of the decision's (FixedCosts.measured_at); a verdict on a term from further off
 # runs a plain probe where one may, else it waits (DraftingDecision.after_plan)
 _PLAIN_NEAR = 1.25
+# a speculative probe's planned steps (the first only drafts; the others verify and are
+# observed), and how fresh its term must be for drafting to stay off without one: a term is
+# learned from the few speculative steps at a level's start, beside its prefill chunks, where
+# steps the next one cannot follow paid the host's whole loop; once drafting is off nothing
+# measures them again (draft probes are not observed), and the term held drafting off for a
+# whole level where fixed K beat it by 37% (H100, trained pair, T = 0, c = 32: learned
+# 0.83 ms, verify steps of 1.36 ms at the start against 0.93 in fixed K's steady state;
+# fifty-fifth session)
+_SPEC_PROBE_STEPS = 12
+_SPEC_FRESH = 64  # observed steps
+# at most one speculative probe per this many plans and bucket, twice as far apart after each
+# whose decision kept drafting off by twice the guard (up to _SPEC_PROBE_BACKOFF_MAX times):
+# where plain decoding does win, a probe's steps each earn less than a plain one
+_SPEC_PROBE_EVERY = 512
+_SPEC_PROBE_BACKOFF_MAX = 8
+_SPEC_KINDS = ("spec", "trim", "eager")
 
 
 def plain_near(fixed: FixedCosts, num_sampling: int) -> bool:
@@ -43,6 +63,8 @@ class PlainProbes:
     _plain_probe_left: int
     _plain_may_win: bool
     _plain_probed: dict[tuple, int]
+    _spec_probe_left: int
+    _spec_probed: dict[tuple, tuple[int, int]]
 
     def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
                           prefill_tokens: int) -> bool:  # fmt: skip
@@ -84,3 +106,32 @@ class PlainProbes:
             return False
         self._plain_probed[bucket] = self._plans
         return True
+
+    def _spec_term_stale(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
+        """A verdict for plain decoding while drafting is off rests on a speculative term that
+        this batch size's bucket measured (any speculative kind), but not within the last
+        _SPEC_FRESH observed steps, and a speculative probe may measure it now (a decode
+        step; none at this bucket in the last _SPEC_PROBE_EVERY plans times its spacing).
+        Starting one is recorded here. A bucket never measured takes its neighbours' term, as
+        before: a level's tail passes through several while requests finish, and a probe at
+        each would cost what plain probes there did (plain_floor's doc)."""
+        if prefill_tokens > 0 or num_sampling == 0:
+            return False
+        ages = [fixed.age(kind, num_sampling) for kind in _SPEC_KINDS]
+        if min(ages) <= _SPEC_FRESH or min(ages) == math.inf:  # (fresh; or never measured)
+            return False
+        key = (fixed.greedy, size_bucket(num_sampling))
+        last, spacing = self._spec_probed.get(key, (None, 1))
+        if last is not None and self._plans - last < _SPEC_PROBE_EVERY * spacing:
+            return False
+        self._spec_probed[key] = (self._plans, spacing)
+        self._spec_probe_key = key
+        return True
+
+    def _spec_probe_judged(self, wide_off: bool) -> None:
+        """The decision after a speculative probe: kept drafting off by twice the guard
+        (`wide_off`: the next probe at its bucket twice as far off) or not (back to 1x)."""
+        key, self._spec_probe_key = self._spec_probe_key, None
+        last, spacing = self._spec_probed[key]
+        spacing = min(2 * spacing, _SPEC_PROBE_BACKOFF_MAX) if wide_off else 1
+        self._spec_probed[key] = (last, spacing)

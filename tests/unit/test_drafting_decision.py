@@ -205,7 +205,8 @@ def test_the_ratio_is_measured_at_one_request_of_low_survival_too():
     the ratio waited for: it stayed at 1 however far the confidences were off (demo pair on
     the H200, c = 1: 0.78 predicted, 1.13 accepted a step). Sixteen observed decision steps
     are enough evidence too; fewer are not."""
-    from dspark.spec.drafting import _ACCEPT_MIN_STEPS, DraftingDecision
+    from dspark.spec.acceptance_estimate import _ACCEPT_MIN_STEPS
+    from dspark.spec.drafting import DraftingDecision
 
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     for _ in range(_ACCEPT_MIN_STEPS - 1):

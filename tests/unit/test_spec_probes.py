@@ -1,0 +1,102 @@
+"""The drafting decision's speculative probes (plain_probes.py): while drafting is off, a
+verdict for plain decoding on a speculative term not measured lately at the batch size runs
+every row's drafting for a few steps first, then decides again on the term they measured."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dspark.spec.cost_model import CostModel
+
+
+def _off_decision(spec_ms: float):
+    """A decision that turned drafting off at 32 requests on a speculative term of `spec_ms`
+    (and a plain one of 0.1 ms) learned there; survivals ~0.45, 0.2, ..."""
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    # a forward of n tokens: 0.2 ms + 0.001 ms per token; the drafter 0.1 ms
+    cost = CostModel.analytic(weight_read_ms=0.2, ms_per_token=0.001, fixed_overhead_ms=0.0,
+                              draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+        fixed.observe("spec", spec_ms, 32)
+        fixed.observe("plain", 0.1, 32)
+    fixed.apply(cost, 32)
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    for _ in range(20):
+        d.update_survival(np.full((4, 4), 0.45))
+    assert d.after_plan(True, cost, fixed, True, 32, 32, 0) == (False, True)  # off at once
+    assert not d.pays
+    return d, cost, fixed
+
+
+def _plan(d, cost, fixed, n: int = 32, decide: bool | None = None) -> tuple[bool, bool]:
+    """One planned step, deciding where due (as the step planner asks)."""
+    return d.after_plan(d.due(n) if decide is None else decide, cost, fixed, True, n, n, 0)
+
+
+def test_a_stale_speculative_term_is_measured_before_drafting_stays_off():
+    """Drafting turned off on a speculative term of 3 ms. Fresh (observed within 64 steps at
+    this batch size), it stands: decisions keep drafting off, no probe. Once stale (plain
+    steps only since), the next verdict for plain decoding first runs 12 steps drafting for
+    every row (ordinary drafting steps, not a draft probe's few rows), then decides again at
+    once; there, with the speculative steps measured at 0.1 ms, drafting is ahead."""
+    from dspark.spec.plain_probes import _SPEC_FRESH, _SPEC_PROBE_STEPS
+
+    d, cost, fixed = _off_decision(3.0)
+    assert _plan(d, cost, fixed, decide=True) == (False, True)  # fresh: off, no probe
+    for _ in range(_SPEC_FRESH + 1):  # plain steps only
+        fixed.observe("plain", 0.1, 32)
+    plans = [_plan(d, cost, fixed, decide=True)]  # the verdict on the stale term: a probe
+    for _ in range(_SPEC_PROBE_STEPS - 1):
+        fixed.observe("spec", 0.1, 32)  # (what the probe's steps measure)
+        plans.append(_plan(d, cost, fixed))
+    assert plans == [(True, False)] * _SPEC_PROBE_STEPS
+    assert d._forced and d.due(32)  # decided again at once
+    fixed.observe("spec", 0.1, 32)
+    fixed.apply(cost, 32)
+    assert fixed.get("spec", 32) < 1.0
+    d.after_plan(True, cost, fixed, True, 32, 32, 0)
+    assert d._numbers[1] > d._numbers[2] * 1.05  # drafting ahead now (one verdict of two)
+
+
+def test_speculative_probes_are_spaced_per_batch_size_and_back_off():
+    """At most one speculative probe per 512 plans at a batch-size bucket (another bucket has
+    its own), none beside prefill chunks or where the bucket never measured speculative
+    steps, and twice as far apart after each probe whose decision still kept drafting off by
+    twice the guard."""
+    from dspark.spec.plain_probes import _SPEC_FRESH, _SPEC_PROBE_EVERY, _SPEC_PROBE_STEPS
+
+    d, cost, fixed = _off_decision(3.0)
+
+    def stale() -> None:
+        for _ in range(_SPEC_FRESH + 1):
+            fixed.observe("plain", 0.1, 32)
+
+    def probe_runs() -> bool:
+        """A decision now starts a probe (run to its end; its steps measure 3 ms again)."""
+        if d.after_plan(True, cost, fixed, True, 32, 32, 0) != (True, False):
+            return False
+        for _ in range(_SPEC_PROBE_STEPS - 1):
+            fixed.observe("spec", 3.0, 32)
+            assert _plan(d, cost, fixed, decide=False) == (True, False)
+        assert d.after_plan(True, cost, fixed, True, 32, 32, 0)[0] is False  # still off
+        return True
+
+    stale()
+    assert d.after_plan(True, cost, fixed, True, 32, 32, 64) == (False, True)  # (prefill)
+    assert probe_runs()
+    stale()
+    assert not probe_runs()  # within 512 plans of the last one
+    d._plans += _SPEC_PROBE_EVERY
+    assert not probe_runs()  # its verdict was off by far: now 1024 plans apart
+    d._plans += _SPEC_PROBE_EVERY
+    assert probe_runs()
+    # a bucket that never measured speculative steps takes its neighbours' term, no probe
+    # (a level's tail passes through several); one that did has its own schedule
+    assert d.after_plan(True, cost, fixed, True, 5, 5, 0)[0] is False
+    for _ in range(8):
+        fixed.observe("spec", 3.0, 5)
+    stale()
+    assert d.after_plan(True, cost, fixed, True, 5, 5, 0) == (True, False)
