@@ -302,7 +302,14 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
             self.record.verdict(spec, plain, num_sampling, cost.add_fixed(
                 cost.decode_variable(num_sampling, self.k)[1][-1]))  # fmt: skip
         g = self.min_predicted_gain
-        cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)  # probes
+        # (probes) a plain term learned at a quarter of the requests or fewer bounds nothing
+        # here: a host-bound step's term moves with the batch (H100, trained pair, T = 1: a
+        # term learned at 4 requests priced plain steps at 16 at 0.64 ms where no-spec's took
+        # 0.46, no probe ran, drafting stayed on 9.8% below no-spec; fifty-fifth session).
+        # Learned above, its share stands (plain_floor: tails of levels, thirty-ninth session)
+        below = plain_fixed is not None and fixed.learned_below("plain", num_sampling)
+        cheapest = (min(plain_fixed, 0.0) if below
+                    else fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling))
         self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,

@@ -248,6 +248,10 @@ class FixedCosts:
         return own
 
     def _nearest(self, kind: str, num_reqs: int) -> float | None:
+        k = self._nearest_bucket(kind, num_reqs)
+        return None if k is None else self._term[kind][k]
+
+    def _nearest_bucket(self, kind: str, num_reqs: int) -> int | None:
         table = self._term[kind]
         if not table:
             return None
@@ -255,9 +259,16 @@ class FixedCosts:
         windows = self._recent[kind]
         own = windows.get(b)
         if own is not None and len(own) >= MIN_SAMPLES:  # (every step asks: the common case)
-            return table[b]
+            return b
         candidates = [k for k in table if len(windows[k]) >= MIN_SAMPLES] or table
-        return table[min(candidates, key=lambda k: (abs(k - b), k))]
+        return min(candidates, key=lambda k: (abs(k - b), k))
+
+    def learned_below(self, kind: str, num_reqs: int) -> bool:
+        """The term `get` answers for this kind at this batch size was learned two or more
+        buckets below it (at a quarter of the requests or fewer), or not in this sampling
+        mode at all (the other mode's, or none)."""
+        k = self._nearest_bucket(kind, num_reqs)
+        return k is None or k <= size_bucket(num_reqs) - 2
 
     def observed_totals(self) -> dict[str, dict[str, list[float]]]:
         """{kind: {batch-size range: [steps, period ms, residual ms]}}, cumulative."""

@@ -100,3 +100,34 @@ def test_speculative_probes_are_spaced_per_batch_size_and_back_off():
         fixed.observe("spec", 3.0, 5)
     stale()
     assert d.after_plan(True, cost, fixed, True, 5, 5, 0) == (True, False)
+
+
+def test_a_plain_term_learned_at_a_quarter_of_the_requests_bounds_no_probe():
+    """Plain steps' fixed term learned at 4 requests (0.9x the speculative one) prices plain
+    decoding at 4 requests and, its share, at 8 and at 64 requests' tails (plain_floor):
+    there no probe runs where plain decoding at that share could not win. At 16 requests
+    and up it bounds nothing (a host-bound step's term moves with the batch): where plain
+    decoding at the table's bare forward would win, plain steps there are probed."""
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+
+    # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
+    cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
+                              draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    fixed = FixedCosts()
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+        fixed.observe("spec", 2.0, 4)
+        fixed.observe("plain", 1.8, 4)
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    for _ in range(20):  # survivals ~0.45: ahead of plain steps at 1.8 ms, behind bare ones
+        d.update_survival(np.full((4, 4), 0.45))
+    for n, probed in ((4, False), (8, False), (16, True), (32, True)):
+        assert abs(fixed.get("plain", n) - 1.8) < 1e-9  # (the term at 4 requests, wherever asked)
+        assert d._pays(cost, fixed, n)
+        assert d._plain_may_win is probed and d._plain_probe_due(fixed, n, 0) is probed, n
+    assert not fixed.learned_below("plain", 7) and fixed.learned_below("plain", 16)
+    fixed2 = FixedCosts()  # learned above: the share stands (a level's tail)
+    for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+        fixed2.observe("spec", 2.0, 64)
+        fixed2.observe("plain", 1.8, 64)
+    assert d._pays(cost, fixed2, 16) and not d._plain_may_win
