@@ -22,11 +22,10 @@ in flight, and the next step N+1 follows it:
   * Each row's blocks cover N's longest outcome (`follow_extra`: 1 + K tokens) beyond N+1's
     own tokens, and a block table is that much wider (ModelRunner.max_blocks_per_seq).
   * N is committed after N+1's launch; N+1's commit comes after N's, so its tokens append to
-    N's. A request that N ends (a stop token, its length limit if it accepts enough drafts,
-    an abort) has a wasted row in N+1, dropped at its commit (one that N ends whatever it
-    emits, one token from its limit, is left out); its KV writes land past the request's
-    last computed token, in no block the prefix cache holds, and its slot and blocks, freed
-    at N's commit, are used again only by steps queued after N+1 on the same stream.
+    N's. A request that N ends (a stop token, its length limit, an abort) has a wasted row in
+    N+1, dropped at its commit; its KV writes land past the request's last computed token, in
+    no block the prefix cache holds, and its slot and blocks, freed at N's commit, are used
+    again only by steps queued after N+1 on the same stream.
   * A step that cannot follow (blocks or budget short) is scheduled after N is waited for and
     committed, as before.
 
