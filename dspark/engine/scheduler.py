@@ -166,16 +166,13 @@ class Scheduler:
         covering `extra` tokens more (that step's longest outcome); then admissions as
         usual. None where the step cannot follow: the budget or blocks are short for a
         running request (no preemption here: blocks allocated so far stay with their
-        requests, which need them next anyway). A row that step may end (a stop token, its
-        length if it accepts enough) is scheduled all the same: a wasted row if it does; one
-        it ends whatever it emits is left out."""
+        requests, which need them next anyway). A row that step ends (a stop token, its
+        length) is scheduled all the same (the step does not know it): a wasted row."""
         out = SchedulerOutput(follows=True)
         budget, k = self.max_num_batched_tokens, self.num_lookahead_slots
         charged = math.ceil(self.draft_share * k)
         room = 0
         for req in self.running:
-            if req.num_tokens + 1 >= req.max_total_tokens:
-                continue  # (that step ends it by length, whatever it emits: no wasted row)
             if 1 + charged > budget or not self.bm.allocate(req, req.num_tokens + k + extra):
                 return None
             out.rows.append(ScheduledRow(req, 1 + k, k, True))

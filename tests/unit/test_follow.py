@@ -118,23 +118,6 @@ def test_trimmed_plans_follow(tiny_qwen, drafter, tmp_path, graphs):
     assert [got[f"r{i}"][0] for i in range(len(PROMPTS))] == _greedy(tiny_qwen)
 
 
-def test_no_step_follows_one_that_ends_every_row_by_length(tiny_qwen, drafter):
-    """A row the step in flight ends whatever it emits (its length limit one token away) is
-    not laid out again: a lone request runs as many steps following as waited for (no wasted
-    step at its end); rows that may end by length are (wasted rows if they do)."""
-    spec = _spec(drafter)
-    steps = []
-    for follow in (False, True):
-        llm = LLM(tiny_qwen, device="cpu", block_size=4, speculative_config=spec)
-        llm.engine.follows = follow
-        params = SamplingParams(temperature=1.0, seed=3, max_tokens=37, ignore_eos=True)
-        out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 37
-        steps.append((llm.engine.stats["steps"], llm.engine.stats["followed_steps"]))
-    (waited, none), (following, followed) = steps
-    assert none == 0 and followed >= waited // 2 and following == waited, steps
-
-
 def test_stop_tokens_leave_wasted_rows_that_change_nothing(tiny_qwen, drafter):
     spec = _spec(drafter)
     free, _, _ = _run(tiny_qwen, spec, False, 1.0)
