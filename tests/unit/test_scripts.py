@@ -229,25 +229,34 @@ def _free_port_block(n: int) -> int:
 # with synthetic acceptance at T = 1, and the interleaved one of three arms below, at T = 0
 # with the identity pass, in rounds: the GPU sessions' configuration. Both run their servers'
 # engines in a thread: an engine process costs ~3-5 s more per server start here, and
-# tests/e2e/test_server_process.py serves through one)
-def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
+# tests/e2e/test_server_process.py serves through one; and the script's main() in this
+# process, which has imported torch, transformers and dspark already: a process of its own
+# spent ~2.3 s more CPU on that before starting its first server)
+def _bench_e2e_run(monkeypatch, capsys, tmp_path, *argv: str) -> str:
+    """scripts/bench_e2e.py's main() on the demo pair, tiny sizes on the CPU, and `argv`; it
+    must return 0. Returns what it printed."""
+    demo = f"{ROOT}/dspark/assets/demo"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_e2e.py", "--target", f"{demo}/target", "--drafter", f"{demo}/drafter",
+        "--dataset", "random", "--input-len", "16", "--output-len", "6", "--num-prompts", "2",
+        "--prompts-per-concurrency", "1", "--warmup", "1", "--max-num-seqs", "4",
+        "--max-model-len", "128", "--max-num-batched-tokens", "256", "--device", "cpu",
+        "--out", str(tmp_path), "--port", str(_free_port_block(3)), "--no-engine-process",
+        *argv])  # fmt: skip
+    assert _bench_e2e_module().main() == 0
+    return capsys.readouterr().out
+
+
+def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path, monkeypatch, capsys):
     """--arms nospec,adaptive runs those two only; --reverse-arms runs them adaptive first (a
     GPU that heats up under load then slows no-spec's steps, not adaptive's); --identity-
     prompts 0 skips the offline pass, and the report says so instead of claiming a check;
     --synthetic-rates reaches the servers and every table says SYNTHETIC; --temperatures 1
     (the three-arm test below runs T = 0, which its identity pass needs)."""
-    demo = "dspark/assets/demo"
-    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
-           "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
-           "--output-len", "6", "--sweep", "1", "--num-prompts", "2", "--warmup", "1",
-           "--prompts-per-concurrency", "1", "--identity-prompts", "0", "--temperatures", "1",
-           "--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "256",
-           "--device", "cpu", "--out", str(tmp_path), "--port", str(_free_port_block(3)),
-           "--no-engine-process", "--arms", "nospec,adaptive", "--reverse-arms",
-           "--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "SYNTHETIC acceptance" in proc.stdout
+    out = _bench_e2e_run(monkeypatch, capsys, tmp_path, "--sweep", "1", "--identity-prompts",
+                         "0", "--temperatures", "1", "--arms", "nospec,adaptive",
+                         "--reverse-arms", "--synthetic-rates", "0.9,0.8,0.7,0.6,0.5,0.4,0.3")
+    assert "SYNTHETIC acceptance" in out
     assert "SYNTHETIC acceptance" in (tmp_path / "serve_adaptive7.log").read_text()
     assert json.loads((tmp_path / "bench_e2e.json").read_text())["synthetic"] is True
     done = [(tmp_path / f"{a}_t1.json").stat().st_mtime_ns for a in ("adaptive7", "nospec")]
@@ -259,11 +268,11 @@ def test_bench_e2e_two_arms_reversed_without_the_offline_pass(tmp_path):
     assert not (tmp_path / "serve_nospec.log.table.json").exists()
     checks = json.loads((tmp_path / "bench_e2e.json").read_text())["checks"]
     assert checks["num_prompts"] == 0 and checks["overhead"] is None
-    assert "not checked (--identity-prompts 0)" in proc.stdout
-    assert "T=0 identical tokens" not in proc.stdout
+    assert "not checked (--identity-prompts 0)" in out
+    assert "T=0 identical tokens" not in out
     # the table keeps the canonical column order whatever order the arms ran in, and
     # compares adaptive with the one other arm
-    lines = proc.stdout.splitlines()
+    lines = out.splitlines()
     header = next(ln for ln in lines if ln.startswith("conc"))
     assert header.index("nospec") < header.index("adaptive7") and "fixed7" not in header
     assert header.endswith("adaptive7 vs nospec")
@@ -323,26 +332,18 @@ def test_bench_e2e_rejects_bad_offline_pass_settings_before_the_sweep(monkeypatc
     assert f"{flag} must be" in err, err[-500:]
 
 
-def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
+def test_bench_e2e_runs_on_the_demo_pair(tmp_path, monkeypatch, capsys):
     """scripts/bench_e2e.py end to end on the CPU (three servers, a sweep at T = 0, offline
     checks), so the script that spends GPU time cannot break unnoticed: --interleave
     runs the servers side by side and measures each level arm after arm, the order rotating
     by level (the sequential and synthetic paths: the two-arm test above)."""
-    demo = "dspark/assets/demo"
-    cmd = [sys.executable, "scripts/bench_e2e.py", "--target", f"{demo}/target",
-           "--drafter", f"{demo}/drafter", "--dataset", "random", "--input-len", "16",
-           "--output-len", "6", "--sweep", "1,2", "--num-prompts", "2",
-           "--prompts-per-concurrency", "1", "--warmup", "1", "--identity-prompts", "2",
-           "--identity-tokens", "6", "--temperatures", "0", "--max-num-seqs", "4",
-           "--max-model-len", "128", "--max-num-batched-tokens", "256", "--device", "cpu",
-           "--out", str(tmp_path), "--port", str(_free_port_block(3))]  # fmt: skip
+    # (the engines time their loops: DSPARK_HOST_TIMERS)
+    monkeypatch.setenv("DSPARK_HOST_TIMERS", "1")
     # (two rounds per level: the median of each arm's rounds is kept; every engine on one CPU)
     cpu = max(os.sched_getaffinity(0))
-    cmd += ["--interleave", "--rounds", "2", "--engine-cpus", str(cpu), "--no-engine-process"]
-    # (the engines time their loops: DSPARK_HOST_TIMERS)
-    env = {**os.environ, "DSPARK_HOST_TIMERS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = _bench_e2e_run(monkeypatch, capsys, tmp_path, "--sweep", "1,2", "--identity-prompts",
+                         "2", "--identity-tokens", "6", "--temperatures", "0", "--interleave",
+                         "--rounds", "2", "--engine-cpus", str(cpu))  # fmt: skip
     temps = ["0"]
     # one result file per arm, level and round, in the rotating order
     arms = ["nospec", "fixed7", "adaptive7"]
@@ -363,17 +364,17 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
     assert all(a[1] < b[0] for a, b in zip(stamps, stamps[1:]))
     # the verdict's spread: adaptive over the better arm within each of the 2 rounds
     # (one line per temperature)
-    paired = [ln for ln in proc.stdout.splitlines() if "paired by round" in ln]
+    paired = [ln for ln in out.splitlines() if "paired by round" in ln]
     assert len(paired) == len(temps), paired
     assert all(ln.count("%") == 2 * 3 and "c=2 " in ln for ln in paired), paired
     # ... and against each arm alone: one median per arm and level
-    alone = [ln for ln in proc.stdout.splitlines() if "median of the round pairs" in ln]
+    alone = [ln for ln in out.splitlines() if "median of the round pairs" in ln]
     assert len(alone) == len(temps), alone
     assert all(ln.count("%") == 2 * 2 and "c=2 " in ln for ln in alone), alone
     # ... and balanced for run order, where adaptive ran both before fixed K and after it:
     # at c = 2 only (rotations f a n, then a n f; at c = 1 n f a, then f a n), one line
     # per temperature, the round adaptive ran first marked A
-    balanced = [ln for ln in proc.stdout.splitlines() if "order-balanced" in ln]
+    balanced = [ln for ln in out.splitlines() if "order-balanced" in ln]
     assert len(balanced) == len(temps), balanced
     assert all("c=2 " in ln and "c=1 " not in ln and ln.endswith("%A)") for ln in balanced)
     summary = json.loads((tmp_path / "bench_e2e.json").read_text())
@@ -389,10 +390,10 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
     assert checks["graphs"] == {a: {"captured": 0, "failures": 0}
                                 for a in ("nospec", "fixed7", "adaptive7")}  # fmt: skip
     assert checks["mismatching_prompts"] == {"fixed7": 0, "adaptive7": 0}
-    assert "SYNTHETIC" not in proc.stdout
+    assert "SYNTHETIC" not in out
     assert (tmp_path / "sweep_t0.png").stat().st_size > 10_000
     # the adaptive server's drafting flips from its log (however many this CPU makes)
-    assert f"drafting turned on/off {len(checks['drafting_flips'])} times" in proc.stdout
+    assert f"drafting turned on/off {len(checks['drafting_flips'])} times" in out
     # the adaptive server's steps during a level, by kind, from its /metrics (present when the
     # engine's metrics snapshot, taken every 0.1 s or on going idle, landed inside the level)
     for lv in summary["results"]["adaptive7@0"]:
@@ -408,14 +409,14 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
         for kinds in (st.get("learned_fixed_ms") or {}).values():
             assert set(kinds) <= {"spec", "plain", "eager", "trim"} and all(kinds.values())
     if any("acceptance_ratio" in st for st in states):
-        assert "adaptive7 learned fixed terms at the level's batch size" in proc.stdout
+        assert "adaptive7 learned fixed terms at the level's batch size" in out
     # its planning + allocation per level, against its steps (when a snapshot landed inside)
     overheads = [lv.get("scheduler_overhead") for lv in summary["results"]["adaptive7@0"]]
     for o in filter(None, overheads):
         assert 0 < o["fraction"] < 1 and o["plan_ms_per_step"] > 0
         assert set(o["plan_by_part"]) <= {"decision", "search", "other"}
     if any(overheads):
-        assert "adaptive7 scheduler overhead in serving" in proc.stdout
+        assert "adaptive7 scheduler overhead in serving" in out
     # host time by part per engine step (servers started with DSPARK_HOST_TIMERS=1 only)
     hosts = [lv.get("host_ms_per_step") for arm in ("fixed7@0", "adaptive7@0")
              for lv in summary["results"][arm]]  # fmt: skip
@@ -423,7 +424,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
         assert {"schedule", "launch", "wait_commit", "commit", "outputs"} <= set(h)
         assert all(v >= 0 for v in h.values()) and h["launch"] > 0
     if any(hosts):
-        assert "engine host ms per step by part: " in proc.stdout
+        assert "engine host ms per step by part: " in out
     # the steps the adaptive server's fixed terms were learned from, by kind and batch size
     observed = [lv.get("observed_steps") for lv in summary["results"]["adaptive7@0"]]
     for o in filter(None, observed):
@@ -432,7 +433,7 @@ def test_bench_e2e_runs_on_the_demo_pair(tmp_path):
             assert all(v["steps"] > 0 and v["step_ms"] > 0 for v in by_batch.values())
     if any(observed):
         assert "adaptive7 steps its fixed terms learned from at the level's batch size" in (
-            proc.stdout)
+            out)
     # the offline pass's planning by part adds up to its planning time
     parts = checks["overhead"]["plan_by_part"]
     assert sum(ms for _, ms in parts.values()) == pytest.approx(checks["overhead"]["plan_ms"])
