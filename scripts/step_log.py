@@ -23,9 +23,9 @@ class StepLog:
         def logged_observe(step_ms, num_tokens, num_reqs, tag):
             observe(step_ms, num_tokens, num_reqs, tag)
             if tag is not None and num_reqs:
-                variable = spec.cost.verify_lookup(num_tokens) + tag[1]
+                residual = spec.step_residual_ms(step_ms, num_tokens, tag)
                 self._add("step", kind=tag[0], greedy=tag[2], ms=round(step_ms, 4),
-                          residual=round(step_ms - variable, 4), reqs=num_reqs,
+                          residual=round(residual, 4), reqs=num_reqs,
                           tokens=num_tokens)  # fmt: skip
 
         def logged_pays(cost, fixed, num_sampling):

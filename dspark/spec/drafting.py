@@ -223,8 +223,8 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
             against = not verdict and self.pays and online
             stale = against and self._plain_term_stale(fixed, num_sampling, prefill_tokens)
             # nor does drafting stay off on a speculative term not measured lately here
-            spec_stale = not (stale or verdict or self.pays or not online) and (
-                self._spec_term_stale(fixed, num_sampling, prefill_tokens))
+            spec_stale = (not verdict and not self.pays and online  # (stale needs pays)
+                          and self._spec_term_stale(fixed, num_sampling, prefill_tokens))
             # nor does drafting turn off on a plain term learned at another batch size where
             # no probe can measure this one now: the verdict waits (plain_near)
             far = against and self.plain_probes and not plain_near(fixed, num_sampling)
@@ -255,7 +255,7 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
             if self._min_interval_s > 0:
                 self._decided_at = self._clock()
             if self._spec_probe_key is not None and not spec_stale:  # (after such a probe)
-                self._spec_probe_judged(not self.pays and self._wins_widely(False))
+                self._spec_probe_judged(self._wins_widely(False))  # (off, by twice the guard)
             if self._after_probe:  # the verdict on a probe's drafts sets the next spacing
                 self._after_probe = False
                 self._probe_spacing = (min(2 * self._probe_spacing, _PROBE_BACKOFF_MAX)

@@ -28,13 +28,12 @@ _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # runs a plain probe where one may, else it waits (DraftingDecision.after_plan)
 _PLAIN_NEAR = 1.25
 # a speculative probe's planned steps (the first only drafts; the others verify and are
-# observed), and how fresh its term must be for drafting to stay off without one: a term is
-# learned from the few speculative steps at a level's start, beside its prefill chunks, where
-# steps the next one cannot follow paid the host's whole loop; once drafting is off nothing
-# measures them again (draft probes are not observed), and the term held drafting off for a
-# whole level where fixed K beat it by 37% (H100, trained pair, T = 0, c = 32: learned
-# 0.83 ms, verify steps of 1.36 ms at the start against 0.93 in fixed K's steady state;
-# fifty-fifth session)
+# observed), and how fresh its term must be for drafting to stay off without one: once
+# drafting is off nothing measures speculative steps again (draft probes are not observed),
+# and a term learned in a level's first steps held drafting off for the whole level where
+# fixed K beat it by 37% (H100, trained pair, T = 0, c = 32: learned 0.83 ms, the level's
+# first verify steps 1.36 ms against 0.93 in fixed K's steady state; fifty-fifth session; why
+# those steps were slow is not known: another call's step log showed no such start)
 _SPEC_PROBE_STEPS = 12
 _SPEC_FRESH = 64  # observed steps
 # at most one speculative probe per this many plans and bucket, twice as far apart after each
@@ -65,6 +64,7 @@ class PlainProbes:
     _plain_probed: dict[tuple, int]
     _spec_probe_left: int
     _spec_probed: dict[tuple, tuple[int, int]]
+    _spec_probe_key: tuple | None
 
     def _plain_term_stale(self, fixed: FixedCosts, num_sampling: int,
                           prefill_tokens: int) -> bool:  # fmt: skip

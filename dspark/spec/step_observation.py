@@ -39,9 +39,15 @@ class StepObservation(StaleConfidences):
         """Learn the fixed per-step cost online (dspark/spec/online_cost.py)."""
         if tag is None or num_reqs == 0:
             return
-        kind, priced_ms, greedy = tag  # (the drafter's and the context read's price)
-        variable = self.cost.verify_lookup(num_tokens) + priced_ms  # dense table: every step
-        self._fixed_by_mode[greedy].observe(kind, step_ms - variable, num_reqs, step_ms)
+        kind, _, greedy = tag
+        residual = self.step_residual_ms(step_ms, num_tokens, tag)
+        self._fixed_by_mode[greedy].observe(kind, residual, num_reqs, step_ms)
+
+    def step_residual_ms(self, step_ms: float, num_tokens: int,
+                         tag: tuple[str, float, bool]) -> float:  # fmt: skip
+        """A step's period beyond the table's price of its forward (dense table: every step)
+        and the tag's of its drafter and context read: what the fixed term learns from."""
+        return step_ms - self.cost.verify_lookup(num_tokens) - tag[1]
 
     def count_allocation_ms(self, ms: float) -> None:
         """Allocation time measured elsewhere (inside a whole-step graph)."""
