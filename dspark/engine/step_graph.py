@@ -54,16 +54,19 @@ from dspark.engine.input_batch import (
     record_emitted,
     resolve_pending,
 )
-from dspark.engine.step_graph_capture import IDLE, MIXED, StepGraphCapture, mixed_graphs_enabled
+from dspark.engine.step_graph_capture import (
+    IDLE,
+    MIXED,
+    CaptureFailed,
+    StepGraphCapture,
+    mixed_graphs_enabled,
+)
 from dspark.engine.step_layout import ROW_FIELDS, Layout, fill_host, pack_outputs
 from dspark.sampling.sampler import sample_step
 from dspark.spec.planner import allocate_top_b
 from dspark.spec.verify import next_anchors
 
 logger = logging.getLogger(__name__)
-
-class CaptureFailed(RuntimeError):
-    """A whole-step graph could not be captured (the key is not tried again)."""
 
 
 class StepGraphs(StepGraphCapture):
@@ -250,35 +253,6 @@ class StepGraphs(StepGraphCapture):
         if family in MIXED:  # the stream as packed, compacted inside the graph
             return Layout(rb, self.mixed_tokens, self.blocks)
         return Layout(rb, rb if family == "plain" else rb * (1 + self.k), self.blocks)
-
-    @torch.no_grad()  # no autograd in a step: fused kernels take only untracked tensors
-    def _replay(self, key: tuple, fn):
-        if not self.use_graphs:
-            return fn()
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self._capture(key, fn)
-        graph.replay()
-        return self.outputs[key]
-
-    def _capture(self, key: tuple, fn) -> torch.cuda.CUDAGraph:
-        from dspark.engine.cuda_graph import capture_guard
-
-        try:
-            with capture_guard():
-                fn()  # warm-up (compilation); the replay below recomputes the same values
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    out = fn()
-                self.pool = self.pool or graph.pool()
-        except Exception as e:
-            self.failed.add(key)
-            logger.exception("whole-step CUDA graph %s: capture failed, per-phase path", key)
-            raise CaptureFailed(key) from e
-        self.graphs[key], self.outputs[key] = graph, out
-        logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
-        return graph
 
     # -- device code (captured) --------------------------------------------------------------
     def _rows(self, lay: Layout) -> dict[str, torch.Tensor]:

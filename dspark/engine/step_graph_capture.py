@@ -9,12 +9,15 @@ row and they write nothing to the KV cache (the sentinel slot).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from dspark.attention.base import SENTINEL_SLOT
 from dspark.engine.step_layout import ROW_FIELDS
+
+logger = logging.getLogger("dspark.engine.step_graph")  # (the log name users filter on)
 
 MIXED = ("mixed", "mixed_plain")  # families of steps with prefill chunks (step_graph.py)
 IDLE = "idle"  # last element of the key of a plain step that does not draft (key_for)
@@ -30,8 +33,41 @@ def mixed_graphs_enabled() -> bool:
     return os.environ.get("DSPARK_MIXED_GRAPHS", "1") != "0"
 
 
+class CaptureFailed(RuntimeError):
+    """A whole-step graph could not be captured (the key is not tried again)."""
+
+
 class StepGraphCapture:
-    """Mixin of StepGraphs: its start-up captures and dummy steps."""
+    """Mixin of StepGraphs: its captures (at start-up, with dummy steps, or on first use)."""
+
+    @torch.no_grad()  # no autograd in a step: fused kernels take only untracked tensors
+    def _replay(self, key: tuple, fn):
+        if not self.use_graphs:
+            return fn()
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, fn)
+        graph.replay()
+        return self.outputs[key]
+
+    def _capture(self, key: tuple, fn) -> torch.cuda.CUDAGraph:
+        from dspark.engine.cuda_graph import capture_guard
+
+        try:
+            with capture_guard():
+                fn()  # warm-up (compilation); the replay below recomputes the same values
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    out = fn()
+                self.pool = self.pool or graph.pool()
+        except Exception as e:
+            self.failed.add(key)
+            logger.exception("whole-step CUDA graph %s: capture failed, per-phase path", key)
+            raise CaptureFailed(key) from e
+        self.graphs[key], self.outputs[key] = graph, out
+        logger.info("captured whole-step CUDA graph %s (%d so far)", key, len(self.graphs))
+        return graph
 
     def capture_all(self, trims: bool = True) -> None:
         """Capture every key a step can take before serving; `trims=False` leaves the lagged
