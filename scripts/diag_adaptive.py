@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from profile_step import ASSETS, pair_spec, prompts  # noqa: E402  (demo pair; prompt ids; spec)
 
 
-class StepLog:
+class LaunchRecords:
     """Wraps engine.step and runner.launch: one record per launched step (sync engines: the
     step call's wall time; engines that schedule ahead: the call's period, i.e. the same)."""
 
@@ -157,7 +157,7 @@ def measure(llm, args, conc: int) -> tuple[list[str], dict]:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts(conc, args.prompt_len, 1), params, use_tqdm=False)  # warm-up
-    log = StepLog(llm.engine)
+    log = LaunchRecords(llm.engine)
     t0 = time.perf_counter()
     if args.serving:
         toks, what = serve_pass(llm.engine, args, conc, params)
