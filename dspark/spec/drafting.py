@@ -56,6 +56,7 @@ from dspark.spec.drafting_log import FlipLog
 from dspark.spec.online_cost import FixedCosts, size_bucket
 from dspark.spec.plain_probes import (
     _PLAIN_PROBE_STEPS,
+    _PLAIN_TABLE_SLACK,
     _SPEC_PROBE_STEPS,
     PlainProbes,
     plain_near,
@@ -306,11 +307,14 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
         # here: a host-bound step's term moves with the batch (H100, trained pair, T = 1: a
         # term learned at 4 requests priced plain steps at 16 at 0.64 ms where no-spec's took
         # 0.46, no probe ran, drafting stayed on 9.8% below no-spec; fifty-fifth session).
-        # Learned above, its share stands (plain_floor: tails of levels, thirty-ninth session)
-        below = plain_fixed is not None and fixed.learned_below("plain", num_sampling)
-        cheapest = (min(plain_fixed, 0.0) if below
+        # Learned above, its share stands (plain_floor: tails of levels, thirty-ninth
+        # session). Learned nowhere near, or not at all, the table's own price may be high
+        # too (_PLAIN_TABLE_SLACK).
+        unknown = plain_fixed is None or fixed.learned_below("plain", num_sampling)
+        cheapest = (min(plain_fixed, 0.0) if plain_fixed is not None and unknown
                     else fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling))
-        self._plain_may_win = decode_rates(cost, None, num_sampling, cheapest)[0] > spec * (1 + g)
+        best = decode_rates(cost, None, num_sampling, cheapest)[0]
+        self._plain_may_win = best * (1 + _PLAIN_TABLE_SLACK * unknown) > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,
                          fixed.measured_at("plain", num_sampling), survival,

@@ -27,6 +27,14 @@ _PLAIN_RECENT = 4 * _PLAIN_PROBE_STEPS
 # this factor of the decision's (FixedCosts.measured_at); a verdict on a term from further off
 # runs a plain probe where one may, else it waits (DraftingDecision.after_plan)
 _PLAIN_NEAR = 1.25
+# where no plain term was learned within two buckets of the batch size (FixedCosts.learned_below,
+# or none), plain decoding's best case is the start-up table's bare forward made this much
+# cheaper: that table is a profile, not the served step, and overstated plain steps of 16-32
+# sampling requests by 13-16% (0.53 ms against no-spec's 0.46; H200, trained pair, T = 1,
+# fifty-sixth session), so drafting priced 10-18% ahead stayed on, unprobed, 3-7% below
+# no-spec. A probe at a batch size where drafting really is ahead by up to this much costs
+# at most its 12 steps' tokens times that lead, once per _PLAIN_PROBE_EVERY plans
+_PLAIN_TABLE_SLACK = 0.25
 # a speculative probe's planned steps (the first only drafts; the others verify and are
 # observed), and how fresh its term must be for drafting to stay off without one: once
 # drafting is off nothing measures speculative steps again (draft probes are not observed),

@@ -340,20 +340,28 @@ def test_plain_probes_only_where_plain_decoding_could_win():
     """A plain probe costs most where drafting wins by far (c = 4: 12 steps of one token in
     place of ~2.5 each) and there it cannot change the verdict: drafting turns off only if
     plain decoding beats it by the guard, and plain steps cost at least the table's bare
-    forward. So a bucket is probed only where plain decoding at that price would win."""
+    forward, less the table's own slack where no plain term was learned near (none here).
+    So a bucket is probed only where plain decoding at that price would win."""
     import numpy as np
 
     from dspark.spec.drafting import DraftingDecision
     from dspark.spec.online_cost import FixedCosts
+    from dspark.spec.plain_probes import _PLAIN_TABLE_SLACK
+    from dspark.spec.rates import decode_rates
 
     # a forward of n tokens: 1 ms + 0.01 ms per token; the drafter 1 ms; spec fixed term 2 ms
     cost = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=2.0,
                               draft_base_ms=1.0, draft_ms_per_req=0.0)  # fmt: skip
+    # ... and one whose speculative steps cost 1.4 ms in all beside the forward
+    cheap = CostModel.analytic(weight_read_ms=1.0, ms_per_token=0.01, fixed_overhead_ms=0.2,
+                               draft_base_ms=0.2, draft_ms_per_req=0.0)  # fmt: skip
     fixed = FixedCosts()
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     assert d.plain_probes  # the default
     d.update_survival(np.full((4, 4), 0.9))  # survivals sum to ~3.1: drafting far ahead
-    assert d._pays(cost, fixed, 4)
+    assert d._pays(cheap, fixed, 4)
+    bare = decode_rates(cheap, None, 4, 0.0)[0]
+    assert d._numbers[1] > bare * (1 + _PLAIN_TABLE_SLACK) * 1.05  # (beyond the slack)
     assert not d._plain_may_win and not d._plain_probe_due(fixed, 4, 0)
     for _ in range(20):  # survivals ~0.45, 0.2, ...: drafting ahead only by the stand-in
         d.update_survival(np.full((4, 4), 0.45))

@@ -131,3 +131,45 @@ def test_a_plain_term_learned_at_a_quarter_of_the_requests_bounds_no_probe():
         fixed2.observe("spec", 2.0, 64)
         fixed2.observe("plain", 1.8, 64)
     assert d._pays(cost, fixed2, 16) and not d._plain_may_win
+
+
+def test_where_no_plain_term_was_learned_near_the_tables_price_gets_slack():
+    """The start-up table overstated plain steps of 16-32 sampling requests by 13-16% (H200,
+    trained pair, T = 1, fifty-sixth session): with the plain term learned at one request
+    only, drafting priced 10-18% ahead stayed on, unprobed, 3-7% below no-spec. Where no
+    plain term was learned within two buckets, plain decoding's best case is the table's bare
+    forward made _PLAIN_TABLE_SLACK cheaper: drafting ahead by less than that gets a plain
+    probe, ahead by more does not; and a plain term learned at the batch size bounds the
+    probe as before (no slack)."""
+    from dspark.spec.drafting import DraftingDecision
+    from dspark.spec.online_cost import MIN_SAMPLES, WARMUP_STEPS, FixedCosts
+    from dspark.spec.plain_probes import _PLAIN_TABLE_SLACK
+    from dspark.spec.rates import decode_rates
+
+    # a forward of n tokens: 0.4 ms + 0.001 ms per token; the drafter 0.1 ms
+    cost = CostModel.analytic(weight_read_ms=0.4, ms_per_token=0.001, fixed_overhead_ms=0.0,
+                              draft_base_ms=0.1, draft_ms_per_req=0.0)  # fmt: skip
+
+    def decide(survival: float, plain_at: int) -> DraftingDecision:
+        fixed = FixedCosts(greedy=False)
+        for _ in range(WARMUP_STEPS + MIN_SAMPLES):
+            fixed.observe("spec", 0.15, 16)
+            fixed.observe("plain", 0.0, plain_at)  # plain steps priced at the bare forward
+        fixed.apply(cost, 16)
+        d = DraftingDecision(k=4, min_predicted_gain=0.04, enabled=True)
+        for _ in range(20):
+            d.update_survival(np.full((4, 4), survival))
+        assert d._pays(cost, fixed, 16)  # drafting ahead of plain decoding at the table's price
+        lead = d._numbers[1] / decode_rates(cost, None, 16, 0.0)[0]
+        assert 1.04 < lead, lead
+        d.lead, d.fixed = lead, fixed
+        return d
+
+    near_tie = decide(0.5, plain_at=1)  # ahead by ~19%, the plain term from one request
+    assert near_tie.lead * 1.04 < 1 + _PLAIN_TABLE_SLACK
+    assert near_tie._plain_may_win and near_tie._plain_probe_due(near_tie.fixed, 16, 0)
+    far = decide(0.6, plain_at=1)  # ahead by ~42%: beyond the slack, no probe
+    assert far.lead * 1.04 > 1 + _PLAIN_TABLE_SLACK
+    assert not far._plain_may_win and not far._plain_probe_due(far.fixed, 16, 0)
+    measured = decide(0.5, plain_at=16)  # the same lead on a plain term learned here
+    assert not measured._plain_may_win and not measured._plain_probe_due(measured.fixed, 16, 0)
