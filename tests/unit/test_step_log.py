@@ -38,7 +38,11 @@ def test_step_log_records_what_the_cost_model_learned(tmp_path, monkeypatch):
                  SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     steps = [r for r in log.records if r["what"] == "step"]
     verdicts = [r for r in log.records if r["what"] == "verdict"]
-    assert steps and verdicts
+    unobserved = [r for r in log.records if r["what"] == "unobserved"]
+    assert steps and verdicts and unobserved
+    # the prompts' prefill step, with both prompts' tokens, is among the steps not learned from
+    assert any(r["reqs"] == 2 and r["tokens"] >= 10 for r in unobserved)
+    assert all(r["ms"] > 0 for r in unobserved)
     totals = defaultdict(lambda: [0, 0.0])
     for r in steps:
         totals[(r["kind"], bucket_label(size_bucket(r["reqs"])))][0] += 1
@@ -56,7 +60,7 @@ def test_step_log_records_what_the_cost_model_learned(tmp_path, monkeypatch):
     assert not path.exists()  # (written between levels only)
     log.flush()
     written = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(written) == len(steps) + len(verdicts) and log.records == []
+    assert len(written) == len(steps) + len(verdicts) + len(unobserved) and log.records == []
     assert {r["level"] for r in written} == {"t0-c2"} and {r["arm"] for r in written} == {
         "adaptive3"}
     assert all(math.isfinite(r["ms"]) for r in written if r["what"] == "step")
