@@ -2,7 +2,8 @@
 (offline_sweep.py --step-log): one JSON line per observed step (the period its online cost
 model learned from, the residual over its table, its kind and batch size), per step it did not
 learn from ("unobserved": steps with prefill chunks among them; period, requests, tokens) and
-per drafting verdict (the rates, the fixed terms, the request count they were learned at),
+per drafting verdict (the rates, the fixed terms, the request count they were learned at,
+whether plain decoding at its cheapest could win: a plain probe may follow),
 each with the level it came from. A wrapper on the decoder's own calls: the engine runs as it
 would (a dict and an append per step, ~1 µs, on the adaptive arm only)."""
 
@@ -41,7 +42,8 @@ class StepLog:
                           plain_rate=round(nums[2], 3), spec_fixed=round(nums[3], 4),
                           plain_fixed=None if nums[4] is None else round(nums[4], 4),
                           plain_at=nums[5], spec_age=fixed.age("spec", num_sampling),
-                          plain_age=fixed.age("plain", num_sampling))  # fmt: skip
+                          plain_age=fixed.age("plain", num_sampling),
+                          may_win=spec.drafting._plain_may_win)  # fmt: skip
             return verdict
 
         spec.observe_step_time = logged_observe

@@ -57,6 +57,7 @@ def test_step_log_records_what_the_cost_model_learned(tmp_path, monkeypatch):
     for r in verdicts:
         assert r["pays"] in (True, False) and 1 <= r["reqs"] <= 2
         assert r["spec_rate"] > 0 and r["plain_rate"] > 0
+        assert r["may_win"] in (True, False)  # (whether a plain probe may follow the verdict)
     assert not path.exists()  # (written between levels only)
     log.flush()
     written = [json.loads(line) for line in path.read_text().splitlines()]
