@@ -54,6 +54,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     start, own = time.perf_counter(), 0.0
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
     followed0 = engine.stats["followed_steps"]
+    graph0 = _graph_steps(engine)
     while added < min(concurrency, len(prompts)):
         add()
     while engine.has_unfinished_requests():
@@ -73,6 +74,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     return {"outputs": finished, "wall_s": own, "batch": batch, "held": held,
             "steps": engine.stats["steps"] - steps0,
             "followed": engine.stats["followed_steps"] - followed0,  # (dspark/engine/follow.py)
+            "graph_steps": None if graph0 is None else _graph_steps(engine) - graph0,
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
             # steps launched and their periods (ms) by kind, every engine
             "kinds": {kind: [n - kinds0[kind][0], ms - kinds0[kind][1]]
@@ -80,6 +82,14 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
             "policy": None if policy is None else {
                 part: {k: n - policy0[part][k] for k, n in counts.items()}
                 for part, counts in policy.items()}}  # fmt: skip
+
+
+def _graph_steps(engine) -> int | None:
+    """Steps run on whole-step graphs so far (None: the engine has none); the others took the
+    per-phase path (prefill-only steps, and steps with prefill chunks past the graphs' token
+    bucket: ~3x a graph step's host work)."""
+    graphs = getattr(getattr(engine, "runner", None), "step_graphs", None)
+    return None if graphs is None else sum(graphs.steps.values())
 
 
 def _policy_counts(engine) -> dict | None:
@@ -217,6 +227,7 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "mean_ttft_ms": statistics.fmean(ttfts) if ttfts and latencies else None,
         "steps": run["steps"],
         "followed_steps": run["followed"],  # (launched following the step in flight)
+        "graph_steps": run["graph_steps"],  # (run on whole-step graphs; None: no graphs)
         # engine.step()'s own time per step; the rest of the wall time is the loop's
         "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
         # requests running after each step() call (its launched step's, less finished ones)

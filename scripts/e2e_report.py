@@ -370,6 +370,11 @@ def _followed(followed: int | None, steps: int | None) -> str:
     return f" f{followed}/{steps}" if followed else ""
 
 
+def _on_graphs(graph: int | None, steps: int | None) -> str:
+    """" g380/420": steps run on whole-step graphs, of all (engines with graphs)."""
+    return "" if graph is None else f" g{graph}/{steps}"
+
+
 def print_offline_steps(names: list[str], sweep: dict) -> None:
     """Each arm's mean step period by kind in every offline round (where an arm's time went
     beside another's: fifty-third session), and what a speculative arm's decisions priced
@@ -378,8 +383,10 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
         kinds = lv.get("rounds_kinds") or []
         policies = lv.get("rounds_policy") or [None] * len(kinds)
         followed = lv.get("rounds_followed") or [(None, None)] * len(kinds)
-        return [_kind_ms(k) + _priced(p) + _survival(p) + _followed(*f)
-                for k, p, f in zip(kinds, policies, followed, strict=True) if k]  # fmt: skip
+        graph = lv.get("rounds_graph") or [(None, None)] * len(kinds)
+        return [_kind_ms(k) + _priced(p) + _survival(p) + _followed(*f) + _on_graphs(*g)
+                for k, p, f, g in zip(kinds, policies, followed, graph, strict=True)
+                if k]  # fmt: skip
 
     for t in sweep["temperatures"]:
         for n in names:
@@ -388,7 +395,8 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
                           "verify-all step ms its drafting verdicts priced, s: drafts a "
                           "checked row got accepted / the decision's estimate / its "
                           "confidences', f: steps that followed the one in flight / all "
-                          "(when any): ", arm_levels(sweep, n, t), per_round)
+                          "(when any), g: steps on whole-step graphs / all (the others: the "
+                          "per-phase path): ", arm_levels(sweep, n, t), per_round)
 
 
 def _print_levels(head: str, levels: list[dict], per_round) -> None:

@@ -73,6 +73,7 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
                rounds_policy=[r.get("policy") for r in rounds],
                rounds_kinds=[r.get("kinds") for r in rounds],
                rounds_followed=[(r.get("followed_steps"), r.get("steps")) for r in rounds],
+               rounds_graph=[(r.get("graph_steps"), r.get("steps")) for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
                                 for r in rounds],
                rounds_t0_identical=[r.get("t0_identical") for r in rounds],

@@ -57,6 +57,7 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
     assert 0 < res["batch_mean"] <= CONCURRENCY and 1 <= res["batch_p50"] <= CONCURRENCY
     assert res["output_throughput"] > 0 and res["wall_s"] > 0 and res["steps"] > 0
     assert res["mean_tpot_ms"] > 0 and res["mean_ttft_ms"] >= 0
+    assert res["graph_steps"] is None  # (the CPU engine has no whole-step graphs)
     if arm == "nospec":
         assert res["spec_decode"] is None and res["policy"] is None
         assert res["scheduler_overhead"] is None
@@ -74,6 +75,26 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
         assert res["scheduler_overhead"] == pytest.approx(
             (spent["plan"] + spent["alloc"]) / (res["step_ms_per_step"] * res["steps"]))
         assert 0 <= res["scheduler_overhead"] < 1
+
+
+def test_closed_loop_counts_the_steps_run_on_whole_step_graphs():
+    """With whole-step graphs (here their padded path, eager on the CPU), the run counts the
+    steps that took them: with the graphs' steps with prefill chunks cut to 8 tokens, its
+    decode / verify steps, none of those with prompts' chunks (the per-phase path)."""
+    from dspark.engine.step_graph import StepGraphs
+
+    spec = {"model": f"{DEMO}/drafter", "num_speculative_tokens": 3, "adaptive_policy": "fixed"}
+    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128,
+             max_num_batched_tokens=256, speculative_config=spec) as llm:  # fmt: skip
+        graphs = llm.engine.runner.step_graphs = StepGraphs(llm.engine.runner, use_graphs=False)
+        graphs.mixed_tokens = 8  # (every step with a prompt's chunk here carries more)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        res = closed_loop(llm.engine, [{"prompt_token_ids": p} for p in PROMPTS],
+                          lambda i: params, CONCURRENCY)  # fmt: skip
+        on_graphs = sum(graphs.steps.values())
+    assert res["graph_steps"] == on_graphs  # (no warm-up: every step is the run's)
+    mixed = res["policy"]["steps_by_kind"]["mixed"]
+    assert mixed > 0 and res["graph_steps"] == res["steps"] - mixed > 0
 
 
 def test_closed_loop_with_fewer_prompts_than_c_holds_them_all():

@@ -410,8 +410,9 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     """Each round's mean period of its steps by kind ("-" for a kind it ran none of), every
     arm's; the plain and verify-all step times a round's verdicts priced, on average; and per
     checked row the drafts accepted / the decision's estimate / the confidences' raw
-    prediction; the steps that followed the one in flight, of all. Rounds from runs without
-    those fields print nothing."""
+    prediction; the steps that followed the one in flight, of all; the steps run on whole-step
+    graphs, of all (none: an engine without them). Rounds from runs without those fields print
+    nothing."""
     from e2e_report import print_offline_steps
 
     kinds = {"plain": [0, 0.0], "draft": [2, 1.0], "verify": [100, 87.5], "mixed": [4, 6.0]}
@@ -419,15 +420,17 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     verdicts = {"decisions": 4, "log_spec_over_plain": 0.2, "plain_ms": 2.4, "verify_ms": 3.6}
     level = {"max_concurrency": 16, "rounds_kinds": [kinds, kinds, None],
              "rounds_policy": [{"survival": tally, "verdicts": verdicts}, {}, {}],
-             "rounds_followed": [(81, 106), (0, 106), (None, None)]}
+             "rounds_followed": [(81, 106), (0, 106), (None, None)],
+             "rounds_graph": [(98, 106), (None, 106), (None, None)]}
     plain = {"plain": [200, 90.0], "draft": [0, 0.0], "verify": [0, 0.0], "mixed": [3, 2.4]}
-    nospec = {"max_concurrency": 16, "rounds_kinds": [plain], "rounds_policy": [None]}
+    nospec = {"max_concurrency": 16, "rounds_kinds": [plain], "rounds_policy": [None],
+              "rounds_graph": [(0, 203)]}
     sweep = {"temperatures": [0.0], "arms": {"adaptive7": {"by_temperature": {"0": [level]}},
                                              "nospec": {"by_temperature": {"0": [nospec]}}}}
     print_offline_steps(["nospec", "adaptive7"], sweep)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("nospec offline at T=0, each round's ms a step by kind")
-    assert lines[0].endswith("c=16 0.450/-/-/0.800"), lines[0]
+    assert lines[0].endswith("c=16 0.450/-/-/0.800 g0/203"), lines[0]
     assert lines[1].startswith("adaptive7 offline at T=0, each round's ms a step by kind")
-    assert lines[1].endswith("c=16 -/0.500/0.875/1.500 p0.600/0.900 s2.10/1.53/1.40 f81/106, "
-                             "-/0.500/0.875/1.500")
+    assert lines[1].endswith("c=16 -/0.500/0.875/1.500 p0.600/0.900 s2.10/1.53/1.40 f81/106 "
+                             "g98/106, -/0.500/0.875/1.500")
