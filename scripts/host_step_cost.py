@@ -226,6 +226,7 @@ def main() -> int:
     if overhead is not None:  # (planning by part over the timed steps only)
         overhead.plan_ms, overhead.plans = dict.fromkeys(overhead.plans, 0.0), dict.fromkeys(
             overhead.plans, 0)  # fmt: skip
+    preempted0 = llm.engine.stats["preemptions"]
     prof = None
     if args.profile:
         import cProfile
@@ -257,6 +258,10 @@ def main() -> int:
         print("planning by part (plans x us): " + ", ".join(
             f"{k} {n} x {overhead.plan_ms[k] / n * 1e3:.1f}"
             for k, n in overhead.plans.items() if n))  # fmt: skip
+    preempted = llm.engine.stats["preemptions"] - preempted0
+    if preempted:  # (their prompts ran again through the model on the CPU: not host work)
+        print(f"warning: {preempted} preemptions (KV blocks ran out): the figures below include "
+              "recomputed prompts; use fewer --tokens or a lower --concurrency")
     if args.device_ms:  # (the breakdown's parts include the device wait where they span it)
         print(head + f"step period {per_step:.0f} us with a {args.device_ms:g} ms device: "
               f"{per_step - args.device_ms * 1e3:.0f} us of host work not overlapped")
