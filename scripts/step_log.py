@@ -3,9 +3,10 @@
 model learned from, the residual over its table, its kind and batch size), per step it did not
 learn from ("unobserved": steps with prefill chunks among them; period, requests, tokens) and
 per drafting verdict (the rates, the fixed terms, the request count they were learned at,
-whether plain decoding at its cheapest could win: a plain probe may follow),
-each with the level it came from. A wrapper on the decoder's own calls: the engine runs as it
-would (a dict and an append per step, ~1 µs, on the adaptive arm only)."""
+whether plain decoding at its cheapest could win: a plain probe may follow), each with the
+level it came from. Steps whose period the engine does not keep at all (a call that captured
+a graph or committed two steps) are in neither. A wrapper on the decoder's own calls: the
+engine runs as it would (a dict and an append per step, ~1 µs, on the adaptive arm only)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ class StepLog:
 
         def logged_observe(step_ms, num_tokens, num_reqs, tag):
             observe(step_ms, num_tokens, num_reqs, tag)
-            if tag is None and num_reqs:  # a step the cost model does not learn from (prefill
-                # chunks beside the rows, a probe's verification): its period all the same
+            if not num_reqs:
+                return
+            if tag is None:  # a step the cost model does not learn from (prefill chunks
+                # beside the rows, a probe's verification): its period all the same
                 self._add("unobserved", ms=round(step_ms, 4), reqs=num_reqs, tokens=num_tokens)
-            elif tag is not None and num_reqs:
+            else:
                 residual = spec.step_residual_ms(step_ms, num_tokens, tag)
                 self._add("step", kind=tag[0], greedy=tag[2], ms=round(step_ms, 4),
                           residual=round(residual, 4), reqs=num_reqs,

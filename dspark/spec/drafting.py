@@ -311,8 +311,10 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
         # session). Learned nowhere near, or not at all, the table's own price may be high
         # too (_PLAIN_TABLE_SLACK).
         unknown = plain_fixed is None or fixed.learned_below("plain", num_sampling)
-        cheapest = (min(plain_fixed, 0.0) if plain_fixed is not None and unknown
-                    else fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling))
+        if unknown:  # the bare forward, less a negative term if one was measured
+            cheapest = 0.0 if plain_fixed is None else min(plain_fixed, 0.0)
+        else:
+            cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)
         best = decode_rates(cost, None, num_sampling, cheapest)[0]
         self._plain_may_win = best * (1 + _PLAIN_TABLE_SLACK * unknown) > spec * (1 + g)
         # (what a flip is logged with)
