@@ -93,8 +93,11 @@ def parse_args(description: str) -> argparse.Namespace:
       help="more speculative_config keys for the adaptive arm alone, e.g. "
            "'{\"skip_idle_context_write\": true}'")
     a("--step-log", action="store_true",
-      help="with --interleave and --offline-sweep: the adaptive engine's observed steps and "
+      help="with --interleave and --offline-sweep: the speculative engines' steps and the "
            "drafting verdicts, one JSON line each, in OUT/step_log.jsonl (step_log.py)")
+    a("--host-timers", action="store_true",
+      help="with --interleave and --offline-sweep: each engine's host ms per step by part "
+           "(dspark/engine/host_timers.py; ~1 us a wrapped call, every arm alike)")
     a("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     args.adaptive_config = adaptive_config(ap, args)
@@ -119,8 +122,9 @@ def parse_args(description: str) -> argparse.Namespace:
             args.interleave and args.offline_sweep)):  # fmt: skip
         ap.error("--offline-turn-steps must be >= 0, and above 0 only with --interleave and "
                  "--offline-sweep")
-    if args.step_log and not (args.interleave and args.offline_sweep):
-        ap.error("--step-log needs --interleave and --offline-sweep")
+    for flag in ("step_log", "host_timers"):
+        if getattr(args, flag) and not (args.interleave and args.offline_sweep):
+            ap.error(f"--{flag.replace('_', '-')} needs --interleave and --offline-sweep")
     if args.offline_only and not args.offline_sweep:
         ap.error("--offline-only needs --offline-sweep LEVELS")
     if args.identity_prompts < 0:  # (checked now: the offline pass runs after the sweep)

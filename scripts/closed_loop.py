@@ -55,6 +55,8 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
     steps0, step_ms0 = engine.stats["steps"], engine.stats["step_time_ms"]
     followed0 = engine.stats["followed_steps"]
     graph0 = _graph_steps(engine)
+    timers = getattr(engine, "host_timers", None)  # (offline_sweep --host-timers)
+    host0 = None if timers is None else timers.snapshot()
     while added < min(concurrency, len(prompts)):
         add()
     while engine.has_unfinished_requests():
@@ -75,6 +77,8 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
             "steps": engine.stats["steps"] - steps0,
             "followed": engine.stats["followed_steps"] - followed0,  # (dspark/engine/follow.py)
             "graph_steps": None if graph0 is None else _graph_steps(engine) - graph0,
+            "host_ms": None if host0 is None else {
+                part: ms - host0[part] for part, ms in timers.snapshot().items()},
             "step_ms": engine.stats["step_time_ms"] - step_ms0,
             # steps launched and their periods (ms) by kind, every engine
             "kinds": {kind: [n - kinds0[kind][0], ms - kinds0[kind][1]]
@@ -228,6 +232,9 @@ def _summary(run: dict, prompts: list, concurrency: int, outputs: list | None,
         "steps": run["steps"],
         "followed_steps": run["followed"],  # (launched following the step in flight)
         "graph_steps": run["graph_steps"],  # (run on whole-step graphs; None: no graphs)
+        # host ms per step by part (offline_sweep --host-timers; parts nest: host_timers.py)
+        "host_ms_per_step": {part: ms / run["steps"] for part, ms in run["host_ms"].items()}
+        if run["host_ms"] is not None and run["steps"] else None,
         # engine.step()'s own time per step; the rest of the wall time is the loop's
         "step_ms_per_step": run["step_ms"] / run["steps"] if run["steps"] else None,
         # requests running after each step() call (its launched step's, less finished ones)

@@ -74,6 +74,7 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
                rounds_kinds=[r.get("kinds") for r in rounds],
                rounds_followed=[(r.get("followed_steps"), r.get("steps")) for r in rounds],
                rounds_graph=[(r.get("graph_steps"), r.get("steps")) for r in rounds],
+               rounds_host=[r.get("host_ms_per_step") for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
                                 for r in rounds],
                rounds_t0_identical=[r.get("t0_identical") for r in rounds],
@@ -202,14 +203,15 @@ def _arm_entry(result: dict, arm: str, llm) -> dict:
 
 
 def _step_logs(args, engines: list) -> list:
-    """With --step-log, a StepLog on each engine whose drafting decision is on (adaptive)."""
+    """With --step-log, a StepLog on each speculative engine: fixed K's steps all come as
+    "unobserved" (it learns no costs), its periods beside adaptive's at the same level."""
     if not getattr(args, "step_log", False):
         return []
     from step_log import StepLog
 
     path = os.path.join(args.out, "step_log.jsonl")
     return [StepLog(llm.engine, arm, path) for arm, llm in engines
-            if llm.engine.runner.spec is not None and llm.engine.runner.spec.drafting.enabled]
+            if llm.engine.runner.spec is not None]
 
 
 def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None:
@@ -219,6 +221,11 @@ def _interleaved(args, run_order, levels, temps, rounds, result, on_arm) -> None
         for arm, llm in engines:
             _arm_entry(result, arm, llm)
         logs = _step_logs(args, engines)
+        if getattr(args, "host_timers", False):
+            from dspark.engine.host_timers import install_engine_timers
+
+            for _, llm in engines:  # (read by closed_loop: each run's parts)
+                llm.engine.host_timers = install_engine_timers(llm.engine)
         for t in temps:
             for c in levels:
                 for log in logs:

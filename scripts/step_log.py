@@ -6,7 +6,8 @@ per drafting verdict (the rates, the fixed terms, the request count they were le
 whether plain decoding at its cheapest could win: a plain probe may follow), each with the
 level it came from. Steps whose period the engine does not keep at all (a call that captured
 a graph or committed two steps) are in neither. A wrapper on the decoder's own calls: the
-engine runs as it would (a dict and an append per step, ~1 µs, on the adaptive arm only)."""
+engine runs as it would (a dict and an append per step, ~1 µs, on the speculative arms only;
+fixed K's steps all come as "unobserved": it learns no costs)."""
 
 from __future__ import annotations
 

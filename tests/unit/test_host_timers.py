@@ -17,7 +17,7 @@ from dspark.spec.cost_model import CostModel
 from dspark.testing.drafters import make_tiny_drafter
 
 PARTS = {"inbox", "snapshot", "emit", "schedule", "launch", "wait_commit", "commit", "outputs",
-         "plan", "observe"}  # (graph_start only where whole-step graphs run: CUDA)
+         "plan", "observe", "conf_copy"}  # (graph_start only where whole-step graphs run: CUDA)
 
 
 @pytest.fixture(scope="module")

@@ -434,3 +434,38 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     assert lines[1].startswith("adaptive7 offline at T=0, each round's ms a step by kind")
     assert lines[1].endswith("c=16 -/0.500/0.875/1.500 p0.600/0.900 s2.10/1.53/1.40 f81/106 "
                              "g98/106, -/0.500/0.875/1.500")
+
+
+def test_host_timers_give_each_rounds_host_work_per_step_by_part(tmp_path, capsys):
+    """--host-timers: every engine of the interleaved sweep times its step's parts; each
+    round's row holds host ms per step by part, the speculative arm's with its planning,
+    observation and confidence copy, no-spec's without; the parts nest (launch holds
+    planning; the wait holds the commit), and the report prints them per round in
+    HOST_PARTS order, "-" where the arm has no such part (demo pair, CPU)."""
+    import offline_sweep as osw
+    from e2e_report import print_offline_host
+    from offline_rounds import HOST_PARTS
+
+    args = _sweep_args(tmp_path, rounds=1, output_len=6, num_prompts=3, offline_turn_steps=2,
+                       host_timers=True)  # fmt: skip
+    arms = [("nospec", None), ("adaptive3", {"model": f"{DEMO}/drafter",
+                                             "num_speculative_tokens": 3,
+                                             "adaptive_policy": "lagged"})]
+    res = osw.offline_sweep(args, arms, [2], [0.0])
+    rows = {arm: res["arms"][arm]["by_temperature"]["0"][0] for arm, _ in arms}
+    (spec,), (plain,) = rows["adaptive3"]["rounds_host"], rows["nospec"]["rounds_host"]
+    assert {"plan", "observe", "conf_copy"} <= set(spec) and not {"plan", "observe"} & set(plain)
+    for host in (spec, plain):
+        assert {"schedule", "launch", "wait_commit", "commit", "outputs"} <= set(host)
+        assert host["launch"] > 0 and host["wait_commit"] >= host["commit"] > 0
+    assert spec["launch"] >= spec["plan"] > 0
+    # a level's wall time bounds its steps' host work (the timers run inside its steps)
+    steps = rows["adaptive3"]["steps"]
+    assert spec["launch"] * steps <= rows["adaptive3"]["wall_s"] * 1e3
+    print_offline_host(["nospec", "adaptive3"], res)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("nospec offline at T=0, host ms per step by part")
+    cell = out[1].split("c=2 ")[1].split("/")
+    assert len(cell) == len(HOST_PARTS)
+    assert cell[HOST_PARTS.index("plan")] == f"{spec['plan']:.3f}"
+    assert out[0].split("c=2 ")[1].split("/")[HOST_PARTS.index("plan")] == "-"
