@@ -84,7 +84,7 @@ def _steps(engine, prompts: list, params_for: Callable[[int], object], concurren
             "kinds": {kind: [n - kinds0[kind][0], ms - kinds0[kind][1]]
                       for kind, (n, ms) in engine.step_kinds.items()},
             "policy": None if policy is None else {
-                part: {k: n - policy0[part][k] for k, n in counts.items()}
+                part: {k: n - policy0[part].get(k, 0) for k, n in counts.items()}
                 for part, counts in policy.items()}}  # fmt: skip
 
 
@@ -114,7 +114,10 @@ def _policy_counts(engine) -> dict | None:
             "verdicts": dict(spec.drafting.record.verdicts),
             # (the checked predictions: drafts accepted against the confidences' and the
             # decision's estimate of them)
-            "survival": dict(spec.drafting.record.tally)}
+            "survival": dict(spec.drafting.record.tally),
+            # (plans and their host ms by path: cruise, standing, idle, decision, ...)
+            "plan_paths": {p: n for p, (n, _) in spec.overhead.paths.items()},
+            "plan_path_ms": {p: ms for p, (_, ms) in spec.overhead.paths.items()}}
 
 
 def _drive(engine, prompts: list, params_for: Callable[[int], object], concurrency: int,

@@ -135,10 +135,11 @@ def print_offline_policy(names: list[str], sweep: dict) -> None:
 
 def print_offline_host(names: list[str], sweep: dict) -> None:
     """With --host-timers: each arm's host ms per step by part in every round (HOST_PARTS
-    order, "-" for a part the arm does not have). Arms run in turns on one host, so a part
-    that differs between them at the same level is work one arm does and the other does not
-    (the fifty-seventh session's question: adaptive's verify-all steps took 3-7% longer
-    than fixed K's identical ones at C = 16-64)."""
+    order, "-" for a part the arm does not have); then every adaptive arm's plans by path.
+    Arms run in turns on one host, so a part that differs between them at the same level is
+    work one arm does and the other does not (the fifty-seventh session's question:
+    adaptive's verify-all steps took 3-7% longer than fixed K's identical ones at
+    C = 16-64)."""
     def per_round(lv: dict) -> list[str]:
         return ["/".join(f"{h[p]:.3f}" if p in h else "-" for p in HOST_PARTS)
                 for h in lv.get("rounds_host") or () if h]  # fmt: skip
@@ -149,3 +150,18 @@ def print_offline_host(names: list[str], sweep: dict) -> None:
                           f"({' / '.join(HOST_PARTS)}; nested: launch holds plan and "
                           "graph_start, which holds conf_copy; wait_commit holds commit): ",
                           arm_levels(sweep, n, t), per_round)
+    for t in sweep["temperatures"]:
+        for n in names:
+            _print_levels(f"{n} offline at T={t:g}, plans by path (count x µs each): ",
+                          arm_levels(sweep, n, t), _plan_paths)
+
+
+def _plan_paths(lv: dict) -> list[str]:
+    """Each round's "cruise 410x9 standing 120x21 decision 13x480" (most plans first)."""
+    out = []
+    for p in lv.get("rounds_policy") or ():
+        counts, ms = (p or {}).get("plan_paths"), (p or {}).get("plan_path_ms") or {}
+        if counts:
+            out.append(" ".join(f"{k} {n}x{ms.get(k, 0.0) * 1e3 / n:.0f}"
+                                for k, n in sorted(counts.items(), key=lambda x: -x[1]) if n))
+    return out

@@ -3,11 +3,11 @@
 model learned from, the residual over its table, its kind and batch size), per step it did not
 learn from ("unobserved": steps with prefill chunks among them; period, requests, tokens) and
 per drafting verdict (the rates, the fixed terms, the request count they were learned at,
-whether plain decoding at its cheapest could win: a plain probe may follow), each with the
-level it came from. Steps whose period the engine does not keep at all (a call that captured
-a graph or committed two steps) are in neither. A wrapper on the decoder's own calls: the
-engine runs as it would (a dict and an append per step, ~1 µs, on the speculative arms only;
-fixed K's steps all come as "unobserved": it learns no costs)."""
+whether plain decoding at its cheapest, plain_best tokens/ms, could win: a plain probe may
+follow), each with the level it came from. Steps whose period the engine does not keep at
+all (a call that captured a graph or committed two steps) are in neither. A wrapper on the
+decoder's own calls: the engine runs as it would (a dict and an append per step, ~1 µs, on
+the speculative arms only; fixed K's steps all come as "unobserved": it learns no costs)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class StepLog:
                           plain_fixed=None if nums[4] is None else round(nums[4], 4),
                           plain_at=nums[5], spec_age=fixed.age("spec", num_sampling),
                           plain_age=fixed.age("plain", num_sampling),
-                          may_win=spec.drafting._plain_may_win)  # fmt: skip
+                          may_win=spec.drafting._plain_may_win,
+                          plain_best=round(spec.drafting._plain_best, 3))  # fmt: skip
             return verdict
 
         spec.observe_step_time = logged_observe

@@ -32,7 +32,7 @@ from dspark.spec.synthetic import verify_synthetic
 from dspark.spec.tracing import STEP_KINDS, Overhead, decoder_metrics, trace_record
 from dspark.spec.verify import VerifyInputs, next_anchors, verify, verify_greedy
 
-CONF_PUSH_EVERY = 4  # a cruise's steps copy their confidences to the host one in this many
+CONF_PUSH_EVERY = 4  # steps whose plan stood copy their confidences to the host one in this many
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class SpecDecoder(StepPlanning):
         self._online_cost = False
         self._step_reqs, self._step_other = 0, 0  # of the step planned last
         self.last_cruised = False  # ... and whether a cruise stood for its plan
+        self.last_stood = False  # ... or a cruise or standing plan (_copy_conf_to_host)
         self._settled = {}  # settled plans standing (step_planning.py)
         self._step_trimmed = False  # ... and whether its plan trimmed
         self._prediction: tuple | None = None  # see take_prediction
@@ -318,16 +319,16 @@ class SpecDecoder(StepPlanning):
 
     def _copy_conf_to_host(self) -> None:
         """Queue the confidences' copy to the host for the lagged policy's later plans (the
-        one reader: its budget and drafting decision); a step whose plan a cruise stood for
-        skips it, but for one in CONF_PUSH_EVERY in a row (no plan reads confidences while
-        every plan is cruised; a decision between them, or the plan after the cruise, reads
-        one at most that many steps older than without skipping). The copy and its event
-        are likely most of the ~24 µs a step an adaptive engine's graph start took beyond
-        fixed K's (H100 host, trained pair, c = 64, forty-second session; not measured
-        apart)."""
+        one reader: its budget and drafting decision); a step whose plan stood (a cruise's,
+        or a standing plan's: neither reads confidences) skips it, but for one in
+        CONF_PUSH_EVERY in a row (the plan that reads them next, a decision or a search,
+        reads one at most that many steps older than without skipping). The copy and its
+        event took 13-18 µs a step in the H100 host's loop (demo pair, c = 16-128, T = 0 / 1,
+        fifty-seventh session, offline --host-timers), ~15% of the gap to fixed K's step
+        then, when only cruised steps skipped it."""
         if self._policy != "lagged":
             return
-        if self.last_cruised and self._conf_skips < CONF_PUSH_EVERY - 1:
+        if self.last_stood and self._conf_skips < CONF_PUSH_EVERY - 1:
             self._conf_skips += 1  # (the newest copy then holds older drafts)
             return
         self._conf_skips = 0

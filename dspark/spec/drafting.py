@@ -147,6 +147,7 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
         # less a negative fixed term if one was measured) beat drafting by the guard? If
         # not, no plain probe can turn drafting off, and probing would only cost tokens
         self._plain_may_win = False
+        self._plain_best = 0.0  # ... its rate then, tokens/ms (the step log's)
 
     def due(self, num_reqs: int) -> bool:
         """Whether this step decides again (call once per planned step)."""
@@ -315,7 +316,7 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
             cheapest = 0.0 if plain_fixed is None else min(plain_fixed, 0.0)
         else:
             cheapest = fixed.plain_floor(cost.fixed_overhead_ms, plain_fixed, num_sampling)
-        best = decode_rates(cost, None, num_sampling, cheapest)[0]
+        best = self._plain_best = decode_rates(cost, None, num_sampling, cheapest)[0]
         self._plain_may_win = best * (1 + _PLAIN_TABLE_SLACK * unknown) > spec * (1 + g)
         # (what a flip is logged with)
         self._numbers = (num_sampling, spec, plain, cost.fixed_overhead_ms, plain_fixed,

@@ -69,6 +69,7 @@ class StepPlanning(StepObservation):
         t0 = time.perf_counter()  # (the lagged policy's planning: all of this method's work)
         self._prediction = None  # (set by a decision step that verifies drafts)
         self.last_cruised = False  # (set by _plan_cruise)
+        self.last_stood = False  # (set where a cruise or a standing plan stood: _stood)
         self._draft_room = draft_room
         n, total, other, n_sampling, greedy, context = host.plan_scalars()
         self._step_reqs, self._step_other = n, other
@@ -110,7 +111,8 @@ class StepPlanning(StepObservation):
         budget = None
         if standing:
             budget = self._after_budget(total, total, False, n, n_sampling, 0)
-            self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
+            self.last_stood = self.draft_enabled
+            self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "standing")
         elif lagged:
             searches = self.planner.searches
             budget = self._plan(host, n, total, other, n_sampling, decide, greedy, counted)
@@ -139,8 +141,9 @@ class StepPlanning(StepObservation):
         touches with the caches cold: 17-29 µs in the H200 host's loop at c = 16, against
         fixed K's ~6; thirty-second to thirty-fourth sessions)."""
         budget = self._verify_all(total, context)
+        self.last_stood = True
         self.cruise.record(self._plans_counted, True, self._step_reqs, 0)
-        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
+        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "standing")
         verifies = self.last_verifies = budget != 0 and total > 0
         kind = self.last_kind = "verify" if verifies else "draft"
         self.step_counts[kind] += 1
@@ -153,7 +156,7 @@ class StepPlanning(StepObservation):
         if other:
             self.draft_share = 1.0  # (what _after_budget records of a verify-all)
         self.cruise.cruised += 1
-        self.last_cruised = True
+        self.last_cruised = self.last_stood = True
         self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "cruise")
         return self._count_step(host, budget, total, other)
 
@@ -187,7 +190,7 @@ class StepPlanning(StepObservation):
         self.cost.set_step_context(context)  # (as plan() does for every plan)
         self._settled.pop((n, greedy), None)  # (as _plan does)
         budget = self._after_budget(budget, total, False, n, n_sampling, other, True)
-        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
+        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "chunk_standing")
         return self._count_step(host, budget, total, other)
 
     def _plan_idle(self, n: int, greedy: bool, context: int, t0: float) -> int:
@@ -203,7 +206,7 @@ class StepPlanning(StepObservation):
             del self._settled[(n, greedy)]  # full path's _plan drops)
         self.last_budget, self._step_trimmed = 0, False
         self.draft_enabled, self.probing = False, n > PROBE_ROWS  # (as after_plan says)
-        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3)
+        self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "idle")
         self.last_verifies, self.last_kind = False, "plain"
         self.step_counts["plain"] += 1
         return 0

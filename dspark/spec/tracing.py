@@ -59,6 +59,9 @@ class Overhead:
     def __init__(self) -> None:
         self.plan_ms = dict.fromkeys(PLAN_PARTS, 0.0)
         self.plans = dict.fromkeys(PLAN_PARTS, 0)
+        # plans and host ms by path: the part, or the short path named (cruise, standing,
+        # chunk_standing, idle, search:<why>): where a host-bound engine's planning goes
+        self.paths: dict[str, list] = {}
         self.last_part: str | None = None  # the last plan's part (the step log takes it)
         self.last_plan_us = 0.0  # ... and its host µs
         self.alloc_ms = 0.0
@@ -68,6 +71,11 @@ class Overhead:
         """`detail`: what the step log names the plan (default: its part)."""
         self.plan_ms[part] += ms
         self.plans[part] += 1
+        path = self.paths.get(detail or part)
+        if path is None:
+            path = self.paths[detail or part] = [0, 0.0]
+        path[0] += 1
+        path[1] += ms
         self.last_part, self.last_plan_us = detail or part, ms * 1e3
 
     @staticmethod

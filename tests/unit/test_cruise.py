@@ -166,21 +166,21 @@ def test_a_plain_probe_step_neither_ends_nor_extends_a_cruise_and_drafting_off_e
 
 def test_cruised_steps_skip_most_confidence_copies_and_no_plan_reads_the_drafts_it_verifies(
         tiny_qwen, drafter, tmp_path):  # fmt: skip
-    """A step whose plan a cruise stood for skips its confidences' host copy, but for one in
-    CONF_PUSH_EVERY in a row. A plan after a skipped copy may read the newest copy queued (it
-    holds older drafts); after a queued one, only older copies (never the drafts the planned
-    step verifies). The tokens are no speculation's."""
+    """A step whose plan stood (a cruise's or a standing plan's) skips its confidences' host
+    copy, but for one in CONF_PUSH_EVERY in a row; other steps copy. A plan after a skipped
+    copy may read the newest copy queued (it holds older drafts); after a queued one, only
+    older copies (never the drafts the planned step verifies). The tokens are no speculation's."""
     from dspark.spec.decoder import CONF_PUSH_EVERY
 
     llm = _cheap_llm(tiny_qwen, drafter, tmp_path)
     spec = llm.engine.runner.spec
     copies, copy, stale = spec.host_confs, spec._copy_conf_to_host, spec._stale
-    calls, reads = [], []  # (cruised, copied) per drafting step; (pushed last, newest, read)
+    calls, reads = [], []  # (stood, copied) per drafting step; (pushed last, newest, read)
 
     def copying():
         before = copies.newest_generation
         copy()
-        calls.append((spec.last_cruised, copies.newest_generation > before))
+        calls.append((spec.last_stood, copies.newest_generation > before))
 
     def reading(slots):
         pushed_last, newest = spec._conf_skips == 0, copies.newest_generation
@@ -193,8 +193,9 @@ def test_cruised_steps_skip_most_confidence_copies_and_no_plan_reads_the_drafts_
     assert outs == _plans_free(LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
                                    max_num_seqs=4))  # fmt: skip
     assert cruise.cruised > 0
-    skipped = [cruised for cruised, copied in calls if not copied]
-    assert skipped and all(skipped)  # only cruised steps skip
+    skipped = [stood for stood, copied in calls if not copied]
+    assert skipped and all(skipped)  # only steps whose plan stood skip
+    assert any(not stood for stood, _ in calls)  # (the others copy: the streak's first plans)
     assert len(skipped) >= cruise.cruised // 2
     run = longest = 0
     for _, copied in calls:
@@ -205,3 +206,35 @@ def test_cruised_steps_skip_most_confidence_copies_and_no_plan_reads_the_drafts_
     assert all(read < newest for pushed, newest, read in reads if pushed and newest)
     # (on the CPU copies land at once: after a skipped copy the newest is read)
     assert any(read == newest > 0 for pushed, newest, read in reads if not pushed)
+
+
+def test_with_cruises_off_standing_plans_skip_copies_and_the_tokens_stay(
+        tiny_qwen, drafter, tmp_path):  # fmt: skip
+    """Cruises off: a settled verify-all plan standing (step_planning._stand) reads no
+    confidences either, so its steps skip the host copy as cruised ones do, but for one in
+    CONF_PUSH_EVERY in a row; the plans' paths say so, and the tokens are no speculation's."""
+    from dspark.spec.decoder import CONF_PUSH_EVERY
+
+    llm = _cheap_llm(tiny_qwen, drafter, tmp_path)
+    spec = llm.engine.runner.spec
+    copies, copy, calls = spec.host_confs, spec._copy_conf_to_host, []
+
+    def copying():
+        before = copies.newest_generation
+        copy()
+        calls.append((spec.last_stood, spec.overhead.last_part,
+                      copies.newest_generation > before))  # fmt: skip
+
+    spec._copy_conf_to_host = copying
+    _, outs, cruise = _plans(llm, after=0)
+    assert cruise.cruised == 0 and outs == _plans_free(
+        LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64, max_num_seqs=4))
+    skipped = [(stood, path) for stood, path, copied in calls if not copied]
+    assert skipped and all(stood and path == "standing" for stood, path in skipped)
+    assert all(copied for stood, _, copied in calls if not stood)
+    assert spec.overhead.paths["standing"][0] >= len(skipped)
+    run = longest = 0
+    for *_, copied in calls:
+        run = 0 if copied else run + 1
+        longest = max(longest, run)
+    assert longest == CONF_PUSH_EVERY - 1

@@ -441,7 +441,8 @@ def test_host_timers_give_each_rounds_host_work_per_step_by_part(tmp_path, capsy
     round's row holds host ms per step by part, the speculative arm's with its planning,
     observation and confidence copy, no-spec's without; the parts nest (launch holds
     planning; the wait holds the commit), and the report prints them per round in
-    HOST_PARTS order, "-" where the arm has no such part (demo pair, CPU)."""
+    HOST_PARTS order, "-" where the arm has no such part; then the adaptive arm's plans by
+    path, each plan on one (demo pair, CPU)."""
     import offline_sweep as osw
     from e2e_report import print_offline_host
     from offline_rounds import HOST_PARTS
@@ -469,3 +470,12 @@ def test_host_timers_give_each_rounds_host_work_per_step_by_part(tmp_path, capsy
     assert len(cell) == len(HOST_PARTS)
     assert cell[HOST_PARTS.index("plan")] == f"{spec['plan']:.3f}"
     assert out[0].split("c=2 ")[1].split("/")[HOST_PARTS.index("plan")] == "-"
+    # every plan of the adaptive arm counted on one path, its host time with it
+    policy = rows["adaptive3"]["rounds_policy"][0]
+    paths, path_ms = policy["plan_paths"], policy["plan_path_ms"]
+    assert sum(paths.values()) == sum(policy["plans"].values()) > 0
+    assert sum(path_ms.values()) == pytest.approx(policy["overhead_ms"]["plan"])
+    (line,) = [x for x in out if x.startswith("adaptive3 offline at T=0, plans by path")]
+    top = max(paths, key=paths.get)
+    assert f"c=2 {top} {paths[top]}x{path_ms[top] * 1e3 / paths[top]:.0f}" in line
+    assert not any(x.startswith("nospec offline at T=0, plans by path") for x in out)
