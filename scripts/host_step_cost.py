@@ -215,6 +215,7 @@ def main() -> int:
         timers.wrap(obj, name, name)
     if runner.spec is not None:
         timers.wrap(runner.spec, "plan", "plan")
+        timers.wrap(runner.spec, "observe_step_time", "observe")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(100 + i, 164 + i))}
                for i in range(args.concurrency)]  # fmt: skip

@@ -118,6 +118,7 @@ class SpecDecoder(StepPlanning):
         self.step_counts = dict.fromkeys(STEP_KINDS, 0)  # planned steps by kind (/metrics)
         self.last_kind = "plain"  # ... and the last one's
         self._fixed_by_mode = fixed_costs_by_mode()  # online fixed costs: greedy / sampled
+        self._pending_periods: list[tuple] = []  # step periods not landed yet (land_periods)
         self._tables_context_ms = 0.0  # the context read the planner's device tables priced
         self.fixed_costs = self._fixed_by_mode[True]  # the mode of the step planned last
         # whole-step graphs (set by the runner) run verify-all steps (graph_steps) and trimmed
@@ -144,6 +145,7 @@ class SpecDecoder(StepPlanning):
         )
         self._fixed_by_mode = fixed_costs_by_mode()
         self.fixed_costs = self._fixed_by_mode[True]
+        self._pending_periods = []  # (priced on the table replaced)
         self._settled = {}  # (a settled plan stands only under the model that settled it)
         self.rate_memo = RateMemo(RATE_MEMO_PLANS)  # (... and an opportunity rate priced by it)
         self.cruise = Cruise()  # (... and a streak of its plans)

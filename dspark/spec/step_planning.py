@@ -88,6 +88,8 @@ class StepPlanning(StepObservation):
             elif (not total and greedy == self.fixed_costs.greedy
                   and drafting.routine(n, self._online_cost)):
                 return self._plan_idle(n, greedy, context, t0)
+        if self._pending_periods:  # (every path below may read the terms: fresh ones)
+            self.land_periods()
         # a step with prefill chunks on a routine step: the decision's bookkeeping at once
         # (DraftingDecision.routine; _after_budget then skips after_plan), its plan as usual
         counted = lagged and other > 0 and self.drafting.routine(n, self._online_cost)

@@ -137,6 +137,7 @@ def test_plain_and_speculative_fixed_costs_are_learned_apart(tiny_qwen, drafter)
         step = float(cost.verify_cost_ms(tokens)) + fixed_ms + tag[1]
         for _ in range(n):
             spec.observe_step_time(step, tokens, num_reqs, tag)
+        spec.land_periods()  # (the next plan lands them before it reads a term)
 
     feed(True, 3.0)
     feed(False, 1.0)
@@ -201,6 +202,7 @@ def test_greedy_and_sampled_steps_learn_their_own_fixed_costs(tiny_qwen, drafter
         step = float(cost.verify_cost_ms(tokens)) + tag[1] + fixed_ms
         for _ in range(n):
             spec.observe_step_time(step, tokens, reqs, tag)
+        spec.land_periods()  # (the next plan lands them before it reads a term)
 
     feed(True, "spec", 1.0)
     assert modes[False].get("spec", reqs) == pytest.approx(1.0, rel=1e-3)  # greedy stands in
@@ -243,7 +245,8 @@ def test_eager_steps_learn_their_own_fixed_cost(tiny_qwen, drafter):
         step = float(cost.verify_cost_ms(tokens)) + float(cost.draft_cost_ms(reqs)) + fixed_ms
         for _ in range(n):
             spec.observe_step_time(step, tokens, reqs, spec.step_tag())
-        spec.fixed_costs.apply(cost, reqs)  # (the next plan does this)
+        spec.land_periods()  # (the next plan does this ...
+        spec.fixed_costs.apply(cost, reqs)  # ... and this)
 
     spec.graph_steps = False  # no graphs: every speculative step feeds the table's term
     feed(False, 2.0)
