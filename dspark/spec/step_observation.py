@@ -58,10 +58,9 @@ class StepObservation(StaleConfidences):
         residual: step_residual_ms, on the table it was priced on: the queue is dropped when
         the cost model is replaced)."""
         pending, self._pending_periods = self._pending_periods, []
-        lookup, by_mode = self.cost.verify_lookup, self._fixed_by_mode
-        for step_ms, num_tokens, num_reqs, (kind, priced_ms, greedy) in pending:
-            by_mode[greedy].observe(kind, step_ms - lookup(num_tokens) - priced_ms, num_reqs,
-                                    step_ms)  # fmt: skip
+        residual, by_mode = self.step_residual_ms, self._fixed_by_mode
+        for step_ms, num_tokens, num_reqs, tag in pending:
+            by_mode[tag[2]].observe(tag[0], residual(step_ms, num_tokens, tag), num_reqs, step_ms)
 
     def step_residual_ms(self, step_ms: float, num_tokens: int,
                          tag: tuple[str, float, bool]) -> float:  # fmt: skip

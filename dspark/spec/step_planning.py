@@ -69,7 +69,7 @@ class StepPlanning(StepObservation):
         t0 = time.perf_counter()  # (the lagged policy's planning: all of this method's work)
         self._prediction = None  # (set by a decision step that verifies drafts)
         self.last_cruised = False  # (set by _plan_cruise)
-        self.last_stood = False  # (set where a cruise or a standing plan stood: _stood)
+        self.last_stood = False  # (set where a cruise or a standing plan stood)
         self._draft_room = draft_room
         n, total, other, n_sampling, greedy, context = host.plan_scalars()
         self._step_reqs, self._step_other = n, other
