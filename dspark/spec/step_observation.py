@@ -57,6 +57,8 @@ class StepObservation(StaleConfidences):
         """Feed the queued step periods to the online cost model, oldest first (a step's
         residual: step_residual_ms, on the table it was priced on: the queue is dropped when
         the cost model is replaced)."""
+        if not self._pending_periods:  # (fixed K, or none queued: no cost model to read)
+            return
         pending, self._pending_periods = self._pending_periods, []
         residual, by_mode = self.step_residual_ms, self._fixed_by_mode
         for step_ms, num_tokens, num_reqs, tag in pending:

@@ -77,3 +77,18 @@ def test_every_plan_that_reads_the_terms_finds_the_queue_landed(tiny_qwen, draft
     landed = sum(n for by in spec.fixed_costs.observed_totals().values()  # (both modes'
                  for n, *_ in by.values())  # table)  # fmt: skip
     assert landed == sum(observed) > OBSERVE_BATCH
+
+
+def test_an_engine_without_a_cost_model_runs_to_the_end(tiny_qwen, drafter):
+    """Fixed K learns no costs (no cost model): nothing is queued, and the end of a run,
+    which lands the queue, has nothing to land."""
+    llm = LLM(tiny_qwen, device="cpu", max_num_batched_tokens=64,
+              speculative_config={"model": drafter, "num_speculative_tokens": 3,
+                                  "adaptive_policy": "fixed"})  # fmt: skip
+    spec = llm.engine.runner.spec
+    assert spec.cost is None
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert not spec._pending_periods
+    spec.land_periods()  # (called with nothing queued: a no-op)
