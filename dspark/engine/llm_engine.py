@@ -296,9 +296,8 @@ class LLMEngine:
             self._unobserved = (period_ms, result.num_tokens, len(sched.rows), tag)
             if not self.scheduler.has_unfinished():
                 self._observe()  # (no step follows to overlap it with)
-        spec = self.runner.spec
-        if spec is not None and spec._pending_periods and not self.scheduler.has_unfinished():
-            spec.land_periods()  # (no plan follows to land the queue: now)
+        if self.runner.spec is not None and not self.scheduler.has_unfinished():
+            self.runner.spec.land_periods()  # (no plan follows to land the queue: now)
         return outputs
 
     def _observe(self) -> None:

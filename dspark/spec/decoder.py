@@ -89,8 +89,7 @@ class SpecDecoder(StepPlanning):
         self.cost = None
         self._online_cost = False
         self._step_reqs, self._step_other = 0, 0  # of the step planned last
-        self.last_cruised = False  # ... and whether a cruise stood for its plan
-        self.last_stood = False  # ... or a cruise or standing plan (_copy_conf_to_host)
+        self.last_stood = False  # ... and whether a cruise or standing plan stood for it
         self._settled = {}  # settled plans standing (step_planning.py)
         self._step_trimmed = False  # ... and whether its plan trimmed
         self._prediction: tuple | None = None  # see take_prediction

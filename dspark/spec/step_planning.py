@@ -68,7 +68,6 @@ class StepPlanning(StepObservation):
         SchedulerOutput.draft_room); a budget above it is cut to it."""
         t0 = time.perf_counter()  # (the lagged policy's planning: all of this method's work)
         self._prediction = None  # (set by a decision step that verifies drafts)
-        self.last_cruised = False  # (set by _plan_cruise)
         self.last_stood = False  # (set where a cruise or a standing plan stood)
         self._draft_room = draft_room
         n, total, other, n_sampling, greedy, context = host.plan_scalars()
@@ -158,7 +157,7 @@ class StepPlanning(StepObservation):
         if other:
             self.draft_share = 1.0  # (what _after_budget records of a verify-all)
         self.cruise.cruised += 1
-        self.last_cruised = self.last_stood = True
+        self.last_stood = True
         self.overhead.add_plan("other", (time.perf_counter() - t0) * 1e3, "cruise")
         return self._count_step(host, budget, total, other)
 

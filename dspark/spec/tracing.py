@@ -141,8 +141,7 @@ def decoder_metrics(sd) -> dict:
     """A SpecDecoder's policy state for /metrics and reports: the last plan, the cost table's
     status, the fixed terms learned online at the last planned batch size."""
     d = sd.planner.last_decision if sd.planner is not None else None
-    if sd._pending_periods:  # (the terms below: with every period observed so far)
-        sd.land_periods()
+    sd.land_periods()  # (the terms below: with every period observed so far)
     cost, reqs = sd.cost, sd._step_reqs
     return {
         "policy": sd._policy,
