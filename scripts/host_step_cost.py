@@ -227,6 +227,7 @@ def main() -> int:
     if overhead is not None:  # (planning by part over the timed steps only)
         overhead.plan_ms, overhead.plans = dict.fromkeys(overhead.plans, 0.0), dict.fromkeys(
             overhead.plans, 0)  # fmt: skip
+        overhead.paths = {}
     preempted0 = llm.engine.stats["preemptions"]
     prof = None
     if args.profile:
@@ -259,6 +260,8 @@ def main() -> int:
         print("planning by part (plans x us): " + ", ".join(
             f"{k} {n} x {overhead.plan_ms[k] / n * 1e3:.1f}"
             for k, n in overhead.plans.items() if n))  # fmt: skip
+        print("plans by path (plans x us): " + ", ".join(
+            f"{k} {n} x {ms / n * 1e3:.1f}" for k, (n, ms) in sorted(overhead.paths.items())))
     preempted = llm.engine.stats["preemptions"] - preempted0
     if preempted:  # (their prompts ran again through the model on the CPU: not host work)
         print(f"warning: {preempted} preemptions (KV blocks ran out): the figures below include "

@@ -11,7 +11,14 @@ import numpy as np
 
 from dspark.spec.rates import predicted_accepted, prefix_survival
 
-_ACCEPT_DECAY = 0.9  # per observed decision step: the acceptance ratio's memory
+_ACCEPT_DECAY = 0.9  # per observed decision step of _ACCEPT_DECAY_ROWS checked rows or more:
+# the acceptance ratio's memory; a step of fewer rows decays the sums by the fraction of a
+# step its rows are (_ACCEPT_DECAY ** (rows / _ACCEPT_DECAY_ROWS)), so the memory always spans
+# ~10 steps and ~80 rows at least. Ten steps of one request were ~19 rows' worth of evidence
+# on a quantity whose per-row spread at T = 1 is larger than its mean (0-7 drafts accepted),
+# and the ratio wandered to 0.52 where fixed K's rows showed ~1.0: drafting turned off where
+# fixed K beat no speculation by 5% (H100, trained pair, T = 1, c = 1; fifty-seventh session)
+_ACCEPT_DECAY_ROWS = 8
 _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used,
 # or this many observed decision steps: the decayed sum never exceeds 10x one step's
 # prediction, which at one request of low survival is under 8 (demo pair, H200, c = 1: 0.78
@@ -22,6 +29,13 @@ _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
 _POSITION_RATIO_BOUNDS = (0.25, 4.0)  # ... and a position's own (rates.PositionRatios), which
 # corrects the shape of the survival curve: far positions' confidences were off by up to ~3x
 # where the first position's were by ~1.35x (H100, trained pair, T = 0)
+
+
+def step_decay(rows: int) -> float:
+    """How much a step of `rows` checked rows decays the acceptance sums (_ACCEPT_DECAY_ROWS)."""
+    if rows >= _ACCEPT_DECAY_ROWS:
+        return _ACCEPT_DECAY
+    return _ACCEPT_DECAY ** (rows / _ACCEPT_DECAY_ROWS)
 
 
 class AcceptanceEstimate:
@@ -69,13 +83,15 @@ class AcceptanceEstimate:
             return None
         return rows, predicted_accepted(self.update_survival(stale, greedy)), greedy
 
-    def observe_acceptance(self, greedy: bool, accepted: float, predicted: float) -> None:
-        """Drafts accepted in a verified step against the number its rows' confidences
-        predicted at the lengths verified (`predicted_accepted`)."""
+    def observe_acceptance(self, greedy: bool, accepted: float, predicted: float,
+                           rows: int = _ACCEPT_DECAY_ROWS) -> None:  # fmt: skip
+        """Drafts accepted in a verified step's `rows` checked rows against the number their
+        confidences predicted at the lengths verified (`predicted_accepted`)."""
         self.updates += 1
+        decay = step_decay(rows)
         sums = self._accepted[greedy]
-        sums[0] = _ACCEPT_DECAY * sums[0] + accepted
-        sums[1] = _ACCEPT_DECAY * sums[1] + predicted
+        sums[0] = decay * sums[0] + accepted
+        sums[1] = decay * sums[1] + predicted
         self._accept_steps[greedy] += 1
 
     def check_prediction(self, prediction: tuple, emitted: list, verified: list) -> None:
@@ -92,8 +108,9 @@ class AcceptanceEstimate:
             raw = float(predicted[ok, lengths].sum())
             # (what the decision priced these rows at: before this step moves the ratios)
             self.record.checked(self.estimate(greedy), accepted, lengths, raw)
-            self.observe_acceptance(greedy, float(accepted.sum()), raw)
-            self._by_position[greedy].observe(accepted, lengths, predicted[ok])
+            self.observe_acceptance(greedy, float(accepted.sum()), raw, ok.size)
+            self._by_position[greedy].observe(accepted, lengths, predicted[ok],
+                                              step_decay(ok.size))  # fmt: skip
 
     def acceptance_ratio(self, greedy: bool) -> float:
         """Accepted / predicted drafts lately in this sampling mode (1 until measured)."""

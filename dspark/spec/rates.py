@@ -96,15 +96,18 @@ class PositionRatios:
         self.predicted = np.zeros(k)
         self._positions = np.arange(1, k + 1)
 
-    def observe(self, accepted: np.ndarray, lengths: np.ndarray, predicted: np.ndarray) -> None:
+    def observe(self, accepted: np.ndarray, lengths: np.ndarray, predicted: np.ndarray,
+                decay: float | None = None) -> None:  # fmt: skip
         """One step's rows: drafts accepted [n] of the lengths verified [n] (accepted <=
-        length), and `predicted_accepted` of their confidences [n, K + 1]."""
+        length), and `predicted_accepted` of their confidences [n, K + 1]. `decay`: the
+        old sums' (default: the one given at construction)."""
         # (a decision step's work: a histogram and column sums, not [n, K] masks, where
         # every row verified all K, the usual case: 7-11 µs against 10-27 for 1-256 rows on
         # the 2-core development machine)
         k = self.accepted.size
-        self.accepted *= self.decay
-        self.predicted *= self.decay
+        decay = self.decay if decay is None else decay
+        self.accepted *= decay
+        self.predicted *= decay
         rows_accepting = np.bincount(accepted, minlength=k + 1)  # exactly 0..K drafts
         self.accepted += rows_accepting[::-1].cumsum()[::-1][1:]  # (at least 1..K)
         if lengths.min() >= k:

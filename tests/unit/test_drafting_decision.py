@@ -162,20 +162,20 @@ def test_survival_is_scaled_by_drafts_accepted_over_predicted():
     d.update_survival(stale, greedy=True)
     assert d.acceptance_ratio(True) == 1.0  # nothing observed: the confidences as they are
     assert not d._pays(cost, greedy, 1)  # 0.94 survivals in all
-    d.observe_acceptance(True, accepted=2.0, predicted=predicted[0, 3])
+    d.observe_acceptance(True, accepted=2.0, predicted=predicted[0, 3], rows=1)
     assert d.acceptance_ratio(True) == 1.0  # too little observed yet
     for _ in range(6):
-        d.observe_acceptance(True, accepted=8 * 1.75, predicted=8 * predicted[0, 4])
+        d.observe_acceptance(True, accepted=8 * 1.75, predicted=8 * predicted[0, 4], rows=8)
     assert d.acceptance_ratio(True) == pytest.approx(1.75 / 0.9375, rel=0.01)
     for _ in range(40):  # the old observations decay
-        d.observe_acceptance(True, accepted=8 * 1.875, predicted=8 * predicted[0, 4])
+        d.observe_acceptance(True, accepted=8 * 1.875, predicted=8 * predicted[0, 4], rows=8)
     assert d.acceptance_ratio(True) == pytest.approx(2.0, rel=1e-3)
     np.testing.assert_allclose(d.estimate(True), [1.0, 0.5, 0.25, 0.125], rtol=1e-3)
     assert d._pays(cost, greedy, 1)
     # the other sampling mode keeps its own ratio (and, unmeasured, this mode's survival)
     assert d.acceptance_ratio(False) == 1.0 and not d._pays(cost, sampled, 1)
     for _ in range(40):  # bounded: a ratio never claims more than twice or half the drafts
-        d.observe_acceptance(False, accepted=0.0, predicted=8.0)
+        d.observe_acceptance(False, accepted=0.0, predicted=8.0, rows=8)
     assert d.acceptance_ratio(False) == 0.5
 
 
@@ -200,9 +200,10 @@ def test_the_survey_leaves_out_rows_with_an_unknown_confidence():
 
 
 def test_the_ratio_is_measured_at_one_request_of_low_survival_too():
-    """The decayed sums never exceed 10x one decision step's numbers, so at one request whose
-    confidences predict under 0.8 drafts a step the predicted sum never reached the 8 drafts
-    the ratio waited for: it stayed at 1 however far the confidences were off (demo pair on
+    """The decayed sums never exceed ~80 rows' numbers, so at one request whose confidences
+    predict under 0.1 drafts a step the predicted sum never reaches the 8 drafts the ratio
+    waits for, and it would stay at 1 however far the confidences were off (with the sums'
+    first memory of 10 steps, 0.78 predicted drafts a step never reached them: demo pair on
     the H200, c = 1: 0.78 predicted, 1.13 accepted a step). Sixteen observed decision steps
     are enough evidence too; fewer are not."""
     from dspark.spec.acceptance_estimate import _ACCEPT_MIN_STEPS
@@ -210,13 +211,63 @@ def test_the_ratio_is_measured_at_one_request_of_low_survival_too():
 
     d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
     for _ in range(_ACCEPT_MIN_STEPS - 1):
-        d.observe_acceptance(True, accepted=1.13, predicted=0.78)
+        d.observe_acceptance(True, accepted=0.13, predicted=0.09, rows=1)
     assert d.acceptance_ratio(True) == 1.0  # too few steps, too few drafts
-    for _ in range(200):
-        d.observe_acceptance(True, accepted=1.13, predicted=0.78)
+    for _ in range(400):
+        d.observe_acceptance(True, accepted=0.13, predicted=0.09, rows=1)
     assert d._accepted[True][1] < 8.0  # (the decayed sum stays under the drafts' threshold)
-    assert d.acceptance_ratio(True) == pytest.approx(1.13 / 0.78, rel=1e-6)
+    assert d.acceptance_ratio(True) == pytest.approx(0.13 / 0.09, rel=1e-6)
     assert d.acceptance_ratio(False) == 1.0  # (the other mode: nothing observed)
+    # at 0.78 predicted drafts a step the drafts' threshold comes first (~11 steps)
+    d = DraftingDecision(k=4, min_predicted_gain=0.05, enabled=True)
+    for _ in range(12):
+        d.observe_acceptance(True, accepted=1.13, predicted=0.78, rows=1)
+    assert d.acceptance_ratio(True) == pytest.approx(1.13 / 0.78, rel=1e-6)
+
+
+def test_the_ratios_memory_spans_enough_rows_at_one_request():
+    """At one request a decision step checks one row, and at T = 1 a row's accepted drafts
+    spread wider than their mean; ten steps' memory let the ratio wander to ~0.5 where it was
+    ~1 (H100, trained pair, T = 1, c = 1, fifty-seventh session). Steps of fewer than
+    _ACCEPT_DECAY_ROWS rows decay the sums by their share of a step, so over 2,000 one-row
+    steps drawn with a true ratio of 1 the ratio stays within 0.65-1.4 (with one step's
+    decay per row it reaches 0.55 and 1.6), while steps of 8 rows or more keep
+    the ten-step memory (a workload change is followed as fast as before)."""
+    import numpy as np
+
+    from dspark.spec.acceptance_estimate import _ACCEPT_DECAY, step_decay
+    from dspark.spec.drafting import DraftingDecision
+
+    # a row's accepted drafts at T = 1: each of K = 7 drafts survives with 0.6 given its
+    # prefix: 1.3 expected, spread 1.5; its prediction is that mean
+    mean = float((0.6 ** np.arange(1, 8)).sum())
+
+    def ratios(draws, rows_told):  # one row a step, told as `rows_told` rows
+        d = DraftingDecision(k=7, min_predicted_gain=0.05, enabled=True)
+        out = []
+        for accepted in draws:
+            d.observe_acceptance(True, float(accepted), mean, rows=rows_told)
+            out.append(d.acceptance_ratio(True))
+        return np.array(out[100:])
+
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        draws = np.cumprod(rng.random((2000, 7)) < 0.6, axis=1).sum(axis=1)
+        assert abs(draws.mean() - mean) < 0.1 and draws.std() > mean  # (wider than the mean)
+        now = ratios(draws, 1)
+        assert now.min() > 0.65 and now.max() < 1.4, seed
+        before = ratios(draws, 8)  # (a full step's decay at every row: the memory before)
+        assert before.min() < 0.55 and before.max() > 1.6, seed
+        assert now.std() < 0.5 * before.std()
+    assert step_decay(8) == step_decay(64) == _ACCEPT_DECAY
+    assert step_decay(1) == pytest.approx(_ACCEPT_DECAY ** (1 / 8))
+    # a committed step's check passes its checked rows' count: one row, a row's decay
+    d = DraftingDecision(k=3, min_predicted_gain=0.05, enabled=True)
+    d._accepted[True] = [10.0, 10.0]
+    prediction = d.survey(np.array([0]), np.array([[0.5, 0.5, 0.5]]), True)
+    d.check_prediction(prediction, [[1, 2]], [3])  # 2 tokens emitted: 1 draft accepted
+    assert d._accepted[True] == pytest.approx([10.0 * step_decay(1) + 1.0,
+                                               10.0 * step_decay(1) + 0.875])
 
 
 @pytest.mark.parametrize("accepted, predicted, first_scale", [(30.0, 10.0, 2.0),
