@@ -20,9 +20,10 @@ _ACCEPT_DECAY = 0.9  # per observed decision step of _ACCEPT_DECAY_ROWS checked 
 # fixed K beat no speculation by 5% (H100, trained pair, T = 1, c = 1; fifty-seventh session)
 _ACCEPT_DECAY_ROWS = 8
 _ACCEPT_MIN_PREDICTED = 8.0  # predicted accepted drafts (decayed) before the ratio is used,
-# or this many observed decision steps: the decayed sum never exceeds 10x one step's
-# prediction, which at one request of low survival is under 8 (demo pair, H200, c = 1: 0.78
-# drafts predicted a step, 1.13 accepted, and the ratio stayed at 1 while the decision turned
+# or this many observed decision steps: the decayed sum never exceeds ~80 rows' prediction
+# (10 steps' at 8 rows or more), which at one request of very low survival stays under 8
+# (with the memory of 10 steps of any size, 0.78 drafts predicted a step never reached it:
+# demo pair, H200, c = 1, 1.13 accepted, and the ratio stayed at 1 while the decision turned
 # drafting off on the underestimate where fixed K beat no speculation by 7%)
 _ACCEPT_MIN_STEPS = 16
 _ACCEPT_RATIO_BOUNDS = (0.5, 2.0)
