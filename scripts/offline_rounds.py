@@ -67,6 +67,12 @@ def _on_graphs(graph: int | None, steps: int | None) -> str:
     return "" if graph is None else f" g{graph}/{steps}"
 
 
+def _level_end(steps: int | None, share: float | None) -> str:
+    """" e18%/106": the share of a round's own time in the level's end (steps begun with
+    fewer than C requests held: closed_loop._steps), and those steps (when any)."""
+    return f" e{share:.0%}/{steps}" if steps else ""
+
+
 def print_offline_steps(names: list[str], sweep: dict) -> None:
     """Each arm's mean step period by kind in every offline round (where an arm's time went
     beside another's: fifty-third session), and what a speculative arm's decisions priced
@@ -76,8 +82,10 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
         policies = lv.get("rounds_policy") or [None] * len(kinds)
         followed = lv.get("rounds_followed") or [(None, None)] * len(kinds)
         graph = lv.get("rounds_graph") or [(None, None)] * len(kinds)
+        end = lv.get("rounds_end") or [(None, None)] * len(kinds)
         return [_kind_ms(k) + _priced(p) + _survival(p) + _followed(*f) + _on_graphs(*g)
-                for k, p, f, g in zip(kinds, policies, followed, graph, strict=True)
+                + _level_end(*e)
+                for k, p, f, g, e in zip(kinds, policies, followed, graph, end, strict=True)
                 if k]  # fmt: skip
 
     for t in sweep["temperatures"]:
@@ -88,7 +96,9 @@ def print_offline_steps(names: list[str], sweep: dict) -> None:
                           "checked row got accepted / the decision's estimate / its "
                           "confidences', f: steps that followed the one in flight / all "
                           "(when any), g: steps on whole-step graphs / all (the others: the "
-                          "per-phase path): ", arm_levels(sweep, n, t), per_round)
+                          "per-phase path), e: the share of its time in the level's end "
+                          "(steps begun with fewer than C requests held) / those steps: ",
+                          arm_levels(sweep, n, t), per_round)
 
 
 def _print_levels(head: str, levels: list[dict], per_round) -> None:

@@ -74,6 +74,7 @@ def median_round(rounds: list[dict], orders: list[list[str]] | None = None) -> d
                rounds_kinds=[r.get("kinds") for r in rounds],
                rounds_followed=[(r.get("followed_steps"), r.get("steps")) for r in rounds],
                rounds_graph=[(r.get("graph_steps"), r.get("steps")) for r in rounds],
+               rounds_end=[(r.get("end_steps"), r.get("end_share")) for r in rounds],
                rounds_host=[r.get("host_ms_per_step") for r in rounds],
                rounds_verified=[(r.get("spec_decode") or {}).get("verified_tokens_per_request")
                                 for r in rounds],

@@ -77,6 +77,39 @@ def test_closed_loop_holds_exactly_c_requests_and_counts_what_they_produced(arm)
         assert 0 <= res["scheduler_overhead"] < 1
 
 
+def test_the_levels_end_is_the_steps_begun_with_fewer_than_c_requests_held():
+    """closed_loop reports the level's end: the steps begun with fewer than C requests in the
+    engine (the prompts ran out) and their share of the run's own time, counted here by a
+    wrapper around engine.step (demo pair, CPU). Prompts of equal output lengths started
+    together with no speculation finish together, so only the last wave's end counts; with
+    fewer prompts than C, "full" is every prompt."""
+    with LLM(f"{DEMO}/target", device="cpu", max_num_seqs=8, max_model_len=128,
+             max_num_batched_tokens=256) as llm:  # fmt: skip
+        engine, sched, seen = llm.engine, llm.engine.scheduler, []
+        step = engine.step
+
+        def counted_step():  # (requests held when the step began, the call's seconds)
+            held, t0 = len(sched.running) + len(sched.waiting), time.perf_counter()
+            out = step()
+            seen.append((held, time.perf_counter() - t0))
+            return out
+
+        engine.step = counted_step
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        res = closed_loop(engine, prompts, lambda i: params, CONCURRENCY)
+        end = [s for held, s in seen if held < CONCURRENCY]
+        assert res["end_steps"] == len(end) > 0 and res["end_steps"] < res["steps"]
+        assert res["end_share"] == pytest.approx(sum(end) / sum(s for _, s in seen), rel=0.2)
+        assert 0 < res["end_share"] < 1
+        seen.clear()
+        few = closed_loop(engine, prompts[:2], lambda i: params, concurrency=5)
+        # (the two run together to the same step, none begun with fewer than both held:
+        # against C, every step would have counted)
+        assert few["end_steps"] == sum(1 for held, _ in seen if held < 2) == 0
+        assert seen and all(held < 5 for held, _ in seen)
+
+
 def test_closed_loop_counts_the_steps_run_on_whole_step_graphs():
     """With whole-step graphs (here their padded path, eager on the CPU), the run counts the
     steps that took them: with the graphs' steps with prefill chunks cut to 8 tokens, its

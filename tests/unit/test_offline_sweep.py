@@ -234,6 +234,13 @@ def test_interleaved_offline_sweep_runs_each_level_arm_after_arm_in_rounds(tmp_p
                 # (drafts verified a request: none where this CPU's policy held drafting off)
                 assert all(v >= 0 for v in r["rounds_verified"])
             assert sum(n for n, _ in r["kinds"].values()) == r["steps"]  # (the median round)
+            # every round's level end: of its step() calls (its steps, and a last call that
+            # only returned outputs at most), a share of its own time
+            assert len(r["rounds_end"]) == 3
+            assert all(0 <= n <= steps + 1 and 0.0 <= share < 1.0
+                       for (n, share), (_, steps) in zip(r["rounds_end"], r["rounds_graph"],
+                                                         strict=True))  # fmt: skip
+            assert (r["end_steps"], r["end_share"]) in [tuple(e) for e in r["rounds_end"]]
             # every arm's periods by kind add up to no more than the round's own wall time
             # (its turns); no-spec's steps are plain, or mixed where they carry prompt chunks
             for kinds, tput in zip(r["rounds_kinds"], r["rounds"], strict=True):
@@ -411,8 +418,8 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     arm's; the plain and verify-all step times a round's verdicts priced, on average; and per
     checked row the drafts accepted / the decision's estimate / the confidences' raw
     prediction; the steps that followed the one in flight, of all; the steps run on whole-step
-    graphs, of all (none: an engine without them). Rounds from runs without those fields print
-    nothing."""
+    graphs, of all (none: an engine without them); the share of its time in the level's end,
+    and those steps (none: nothing). Rounds from runs without those fields print nothing."""
     from e2e_report import print_offline_steps
 
     kinds = {"plain": [0, 0.0], "draft": [2, 1.0], "verify": [100, 87.5], "mixed": [4, 6.0]}
@@ -421,7 +428,8 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     level = {"max_concurrency": 16, "rounds_kinds": [kinds, kinds, None],
              "rounds_policy": [{"survival": tally, "verdicts": verdicts}, {}, {}],
              "rounds_followed": [(81, 106), (0, 106), (None, None)],
-             "rounds_graph": [(98, 106), (None, 106), (None, None)]}
+             "rounds_graph": [(98, 106), (None, 106), (None, None)],
+             "rounds_end": [(19, 0.184), (0, 0.0), (None, None)]}
     plain = {"plain": [200, 90.0], "draft": [0, 0.0], "verify": [0, 0.0], "mixed": [3, 2.4]}
     nospec = {"max_concurrency": 16, "rounds_kinds": [plain], "rounds_policy": [None],
               "rounds_graph": [(0, 203)]}
@@ -433,7 +441,7 @@ def test_the_report_gives_each_rounds_step_periods_by_kind_and_the_priced_surviv
     assert lines[0].endswith("c=16 0.450/-/-/0.800 g0/203"), lines[0]
     assert lines[1].startswith("adaptive7 offline at T=0, each round's ms a step by kind")
     assert lines[1].endswith("c=16 -/0.500/0.875/1.500 p0.600/0.900 s2.10/1.53/1.40 f81/106 "
-                             "g98/106, -/0.500/0.875/1.500")
+                             "g98/106 e18%/19, -/0.500/0.875/1.500")
 
 
 def test_host_timers_give_each_rounds_host_work_per_step_by_part(tmp_path, capsys):
