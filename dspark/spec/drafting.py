@@ -159,7 +159,8 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
             return True
         return self._routine_due(self._since_decision)
 
-    def routine(self, num_reqs: int, online: bool) -> bool:
+    def routine(self, num_reqs: int, online: bool, fixed: FixedCosts, num_sampling: int,
+                prefill_tokens: int) -> bool:  # fmt: skip
         """A plan that neither decides nor probes, told from the state alone: due(num_reqs)
         would return False and after_plan(False, ...) (pays, not pays), no draft or plain
         probe starting. Then both methods' effects are made here and it returns True; else
@@ -169,14 +170,20 @@ class DraftingDecision(PlainProbes, AcceptanceEstimate):
         plans between two decisions wait on the clock, and until the thirty-fifth session
         they took the full path (145 of 400 plans at c = 16 with a 1 ms stub device,
         scripts/host_step_cost.py's loop on the development machine; "other" plans there
-        9.7-10.3 -> 7.4-8.8 µs)."""
+        9.7-10.3 -> 7.4-8.8 µs). The last three arguments are after_plan's: whether a plain
+        probe could start is its own test (_plain_probe_open), not the last verdict alone:
+        where plain decoding at the table's bare forward might win, a probe starts once per
+        _PLAIN_PROBE_EVERY plans, and until the fifty-ninth session every plan between two
+        took the full path, no cruise among them (H100, trained pair, T = 0, c = 256: 463
+        plans of 771 at ~70 µs, 172 cruised, 2.9% of the step time in planning)."""
         if (self._forced or self._plain_probe_left or self._spec_probe_left
                 or self.survival is None):  # fmt: skip
             return False  # (a decision is due, or a plain probe runs)
         if self._routine_due(self._since_decision + 1):
             return False  # (a routine decision is due: due()'s own test)
-        if self.pays:  # (a plain probe may be due)
-            if online and self._plain_may_win and self.plain_probes and self.enabled:
+        if self.pays:  # (a plain probe may be due: after_plan's test, at its plan count)
+            if (online and not prefill_tokens
+                    and self._plain_probe_open(fixed, num_sampling, self._plans + 1)):
                 return False
         elif (self._skipped + 1) % (_PROBE_EVERY * self._probe_spacing) == 0:
             return False  # (a draft probe is due)

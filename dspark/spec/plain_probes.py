@@ -102,18 +102,22 @@ class PlainProbes:
         elsewhere a probe costs ~60% of its steps' tokens and cannot change the verdict
         (H200, 8B SYNTHETIC, c = 4: 22 probe steps, -3%; the trained pair, c = 64: a probe
         at every batch size of a level's tail while priced at the bare forward)."""
+        if prefill_tokens > 0 or not self._plain_probe_open(fixed, num_sampling, self._plans):
+            return False
+        self._plain_probed[(fixed.greedy, size_bucket(num_sampling))] = self._plans
+        return True
+
+    def _plain_probe_open(self, fixed: FixedCosts, num_sampling: int, plans: int) -> bool:
+        """_plain_probe_due's answer on a decode step at plan count `plans`, nothing
+        recorded (DraftingDecision.routine asks it of the plan to come)."""
         if (not self.enabled or not self.plain_probes or not self.pays
                 or not self._plain_may_win or self._plain_probe_left > 0
-                or prefill_tokens > 0 or self.survival is None or num_sampling == 0):
+                or self.survival is None or num_sampling == 0):
             return False
-        bucket = (fixed.greedy, size_bucket(num_sampling))  # measured per sampling mode
-        last = self._plain_probed.get(bucket)
-        if (last is not None and self._plans - last < _PLAIN_PROBE_EVERY) or (
-            fixed.age("plain", num_sampling) < _PLAIN_PROBE_EVERY
-        ):
+        last = self._plain_probed.get((fixed.greedy, size_bucket(num_sampling)))  # (per mode)
+        if last is not None and plans - last < _PLAIN_PROBE_EVERY:
             return False
-        self._plain_probed[bucket] = self._plans
-        return True
+        return fixed.age("plain", num_sampling) >= _PLAIN_PROBE_EVERY
 
     def _spec_term_stale(self, fixed: FixedCosts, num_sampling: int, prefill_tokens: int) -> bool:
         """A verdict for plain decoding while drafting is off rests on a speculative term that

@@ -74,24 +74,27 @@ class StepPlanning(StepObservation):
         self._step_reqs, self._step_other = n, other
         self._plans_counted += 1
         lagged = self._policy == "lagged"
+        online, fixed = self._online_cost, self.fixed_costs  # (routine: after_plan's terms)
         if (lagged and total and self.cruise.covers(self._plans_counted, n, other)
-                and self.drafting.pays and greedy == self.fixed_costs.greedy
-                and self.drafting.routine(n, self._online_cost)):  # (routine: last, it counts)
+                and self.drafting.pays and greedy == fixed.greedy
+                and self.drafting.routine(n, online, fixed, n_sampling, other)):  # (last: it
+            # counts)
             return self._plan_cruise(host, total, other, context, t0)
         if lagged and not other:  # (the routine plans' short paths: _plan_standing, _plan_idle)
             drafting = self.drafting
             if drafting.pays:
                 if (not self._unmarked_slots and self._stands(n, total, greedy)
-                        and drafting.routine(n, self._online_cost)):
+                        and drafting.routine(n, online, fixed, n_sampling, 0)):
                     return self._plan_standing(total, context, t0)
-            elif (not total and greedy == self.fixed_costs.greedy
-                  and drafting.routine(n, self._online_cost)):
+            elif (not total and greedy == fixed.greedy
+                  and drafting.routine(n, online, fixed, n_sampling, 0)):
                 return self._plan_idle(n, greedy, context, t0)
         if self._pending_periods:  # (every path below may read the terms: fresh ones)
             self.land_periods()
         # a step with prefill chunks on a routine step: the decision's bookkeeping at once
         # (DraftingDecision.routine; _after_budget then skips after_plan), its plan as usual
-        counted = lagged and other > 0 and self.drafting.routine(n, self._online_cost)
+        counted = lagged and other > 0 and self.drafting.routine(n, online, fixed, n_sampling,
+                                                                 other)  # fmt: skip
         if counted and total and self.drafting.pays and greedy == self.fixed_costs.greedy:
             budget = self._plan_chunk_standing(host, n, total, other, n_sampling, greedy,
                                                context, t0)  # fmt: skip

@@ -340,7 +340,7 @@ def _copies_a_step_behind(tiny_qwen, drafter, tmp_path, max_num_seqs: int):
 
     spec.drafting.update_survival = spy
     spec.drafting.due = lambda num_reqs: True  # every step decides: also a row's first verify
-    spec.drafting.routine = lambda num_reqs, online: False  # (no plan skips `due`)
+    spec.drafting.routine = lambda *args: False  # (no plan skips `due`)
     return llm, spec, seen
 
 

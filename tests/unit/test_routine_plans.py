@@ -11,7 +11,7 @@ import pytest
 
 from dspark import LLM, SamplingParams
 from dspark.spec.cruise import Cruise
-from dspark.spec.drafting import _PROBE_EVERY, DraftingDecision
+from dspark.spec.drafting import DraftingDecision
 from dspark.spec.online_cost import fixed_costs_by_mode
 from dspark.spec.plan_reuse import BudgetDecision, StandingPlans, nearby_rows
 from dspark.testing.drafters import make_tiny_drafter
@@ -63,37 +63,57 @@ def _random_decision(rng: np.random.Generator) -> DraftingDecision:
     return d
 
 
+def _random_fixed(rng: np.random.Generator):
+    """Fixed terms whose plain steps were last measured at random ages (or never) in each
+    batch-size bucket: a plain probe may start only where that term is old."""
+    fixed = fixed_costs_by_mode()[True]
+    fixed.steps = int(rng.integers(0, 3000))
+    for b in range(8):
+        if rng.random() < 0.6:
+            fixed._last["plain"][b] = fixed.steps - int(rng.choice([rng.integers(0, 1024), 511,
+                                                                    512]))  # fmt: skip
+    return fixed
+
+
 def test_routine_has_exactly_the_effects_of_due_and_after_plan():
     """Where routine() answers True, due() would have said False and after_plan(False, ...)
     (True, False), and the state is what those two calls leave; where it answers False it
-    leaves the state as it was, and either a decision is due or a probe runs or starts (a
-    plan waiting out the decision's minimum interval is routine). Random states, both
-    answers exercised, the waiting ones too."""
-    rng, fixed = np.random.default_rng(0), fixed_costs_by_mode()[True]
+    leaves the state as it was, and either a decision is due or after_plan's answer differs
+    from the routine one (a probe runs or starts: a plan waiting out the decision's minimum
+    interval is routine, and so is one where the last decision found plain decoding might
+    win but no plain probe can start, its term fresh, its bucket probed lately or the step
+    holding a prefill chunk). Random states, both answers exercised, the waiting ones too."""
+    rng = np.random.default_rng(0)
     answers = {True: 0, False: 0, "waiting": 0}  # (waiting: routine, DECIDE_MIN_S not out)
-    for _ in range(3000):
-        d = _random_decision(rng)
+    # (routine though the last decision found plain decoding might win: no probe can start)
+    answers["may_win"] = 0
+    for _ in range(4000):
+        d, fixed = _random_decision(rng), _random_fixed(rng)
         # (mostly near the batch size decided at: a move by a quarter forces a decision)
         near = max(1, d._decided_reqs + int(rng.integers(-3, 4)))
         n = near if rng.random() < 0.7 else int(rng.integers(1, 40))
         online = bool(rng.random() < 0.6)
+        other = int(rng.choice([0, 0, 0, 48]))  # (prefill tokens beside the rows)
         fast, full = copy.deepcopy(d), copy.deepcopy(d)
-        routine = fast.routine(n, online)
+        routine = fast.routine(n, online, fixed, n, other)
         answers[routine] += 1
         answers["waiting"] += routine and d._since_decision + 1 >= 8 * d._decide_spacing
+        answers["may_win"] += routine and d.pays and d._plain_may_win and online and (
+            d.plain_probes and d.enabled)  # fmt: skip
         if routine:
             assert not full.due(n)
-            after = full.after_plan(False, None, fixed, online, n, n, 0)
+            after = full.after_plan(False, None, fixed, online, n, n, other)
             assert after == (d.pays, not d.pays)  # (drafting or not; no probe starts)
             assert _state(fast) == _state(full)
         else:
             assert _state(fast) == _state(d)
-            if not full.due(n):  # (not routine though no decision is due: a probe runs or
-                # may start; nothing else, the clock included, makes a plan non-routine)
-                plain_probe = online and d._plain_may_win and d.plain_probes and d.enabled
-                draft_probe = (d._skipped + 1) % (_PROBE_EVERY * d._probe_spacing) == 0
-                assert d._plain_probe_left or (plain_probe if d.pays else draft_probe)
+            if not full.due(n):  # (not routine though no decision is due: the plan's
+                # outcome is not the routine one; nothing else, the clock included, makes
+                # a plan non-routine)
+                after = full.after_plan(False, None, fixed, online, n, n, other)
+                assert after != (d.pays, not d.pays)
     assert min(answers[True], answers[False]) > 300 and answers["waiting"] > 20, answers
+    assert answers["may_win"] > 20, answers
 
 
 def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
@@ -114,8 +134,8 @@ def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
         counts["chunk_short"] += budget is not None
         return budget
 
-    def counting_routine(n, online):
-        ok = fast and routine(n, online)
+    def counting_routine(*args):
+        ok = fast and routine(*args)
         counts["routine"] += ok
         return ok
 
@@ -199,7 +219,7 @@ def test_a_routine_plain_step_keeps_a_standing_settled_plan_and_drops_an_expired
     for expired in (True, False):
         seen = []
         for fast in (True, False):
-            d.routine = routine if fast else (lambda num_reqs, online: False)
+            d.routine = routine if fast else (lambda *args: False)
             d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
             d._skipped, d._probe_spacing = 0, 1
             until = spec._plans_counted + (1 if expired else 5)  # (the plan counts itself first)
@@ -268,7 +288,7 @@ def test_a_chunk_plan_standing_leaves_what_the_full_path_leaves(tiny_qwen, draft
     spec.cost._context_slope = 1e-4  # (a table that prices the context read)
     spec._plan_chunk_standing = lambda *a: taken.append(chunk_short(*a)) or taken[-1]
     for fast in (True, False):
-        d.routine = routine if fast else (lambda num_reqs, online: False)
+        d.routine = routine if fast else (lambda *args: False)
         d._forced, d._plain_probe_left, d._since_decision, d._decided_reqs = False, 0, 0, n
         d._plain_may_win, d._min_interval_s = False, 0.0
         spec.fixed_costs = spec._fixed_by_mode[greedy]
