@@ -16,10 +16,10 @@ from dspark.models.registry import resolve_model_class
 @contextlib.contextmanager
 def _no_random_init():
     """Skip nn.Linear / nn.Embedding's random initialization while a model is built on the
-    meta device: to_empty() discards those values anyway, and the first such op on meta
-    tensors imports torch's Python meta kernels (~2 s of every engine process's start-up on a
-    2-core CPU). Process-wide, for as long as the model is being built (nothing else builds
-    these modules meanwhile: engines are built one at a time)."""
+    meta device: load_target's allocation discards those values anyway, and the first such
+    op on meta tensors imports torch's Python meta kernels (~2 s of every engine process's
+    start-up on a 2-core CPU). Process-wide, for as long as the model is being built (nothing
+    else builds these modules meanwhile: engines are built one at a time)."""
     saved = {cls: cls.__dict__["reset_parameters"] for cls in (nn.Linear, nn.Embedding)}
     for cls in saved:
         cls.reset_parameters = _skip
@@ -40,7 +40,10 @@ def load_target(
     cls = resolve_model_class(model_cfg.architectures)
     with torch.device("meta"), _no_random_init():
         model = cls(model_cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # (to_empty's empty_like on meta tensors imports those Python meta kernels too: 0.4-0.7 s
+    # of every server's start-up on a 2-core CPU; torch.empty does not)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model.to(dtype)
     # non-persistent buffer: recompute it (in float32) after the meta-device construction
     model.rotary.inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope).to(device)
     if model_cfg.tie_word_embeddings:
