@@ -106,7 +106,7 @@ def main() -> int:
     kw = dict(max_model_len=1024, max_num_seqs=args.concurrency, max_num_batched_tokens=8192,
               load_format=args.load_format)  # (dummy: random weights, e.g. the 8B shape)
     if args.smoke:
-        args.concurrency, args.prompts, args.tokens, args.prompt_len = 4, 6, 6, 24
+        args.concurrency, args.prompts, args.tokens, args.prompt_len = 4, 5, 4, 24
         kw.update(device="cpu", max_num_seqs=4)
     base = pair_spec(args)  # (random weights accept nothing: --synthetic-rates)
     arms = {"nospec": None, "fixed": dict(base, adaptive_policy="fixed"),
