@@ -59,7 +59,7 @@ FULL = dict(
 SMOKE = dict(
     FULL, max_files=100, max_chars=1_000_000, vocab_size=1024, tokenizer_max_chars=1_000_000,
     target_hidden=64, target_layers=4, target_heads=4, target_kv_heads=2, target_inter=128,
-    target_seq_len=64, target_batch=8, target_steps=60, target_lr=3e-3, target_max_time_s=15.0,
+    target_seq_len=64, target_batch=8, target_steps=30, target_lr=3e-3, target_max_time_s=15.0,
     drafter_layers=1, drafter_rank=16, drafter_anchors=8, drafter_seq_len=64, drafter_batch=4,
     drafter_steps=20, drafter_max_time_s=10.0, calib_prompts=6, calib_max_tokens=24,
     eval_prompts=6, eval_max_tokens=24, prompt_len=32, demo_target_hidden=32,
