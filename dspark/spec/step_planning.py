@@ -56,6 +56,7 @@ class StepPlanning(StepObservation):
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
+    _chunk_miss = "chunk:rate"  # why _plan_chunk_standing last declined (plan()'s log)
     # _opportunity_rate's memo, in the mode (sampling mode, no survival estimate yet)
     rate_memo: RateMemo  # (set_cost_model: RateMemo(RATE_MEMO_PLANS))
     cruise: Cruise  # (set_cost_model: Cruise())
@@ -80,15 +81,27 @@ class StepPlanning(StepObservation):
                 and self.drafting.routine(n, online, fixed, n_sampling, other)):  # (last: it
             # counts)
             return self._plan_cruise(host, total, other, context, t0)
+        # why a lagged plan that neither searches nor decides took the full path: the step
+        # log and the host timers' plans by path name it "other:<why>" (a routine() that
+        # answers False changes nothing: the gates are read in the order the paths take them)
+        why = None
         if lagged and not other:  # (the routine plans' short paths: _plan_standing, _plan_idle)
             drafting = self.drafting
             if drafting.pays:
-                if (not self._unmarked_slots and self._stands(n, total, greedy)
-                        and drafting.routine(n, online, fixed, n_sampling, 0)):
+                if self._unmarked_slots:
+                    why = "unmarked"  # (a new request's first drafts to mark)
+                elif not self._stands(n, total, greedy):
+                    why = "unsettled"  # (no settled plan of these requests stands)
+                elif drafting.routine(n, online, fixed, n_sampling, 0):
                     return self._plan_standing(total, context, t0)
-            elif (not total and greedy == fixed.greedy
-                  and drafting.routine(n, online, fixed, n_sampling, 0)):
+                else:
+                    why = "due"  # (a decision or probe due, or running)
+            elif total or greedy != fixed.greedy:
+                why = "probe" if total else "mode"  # (drafts while drafting is off: a probe's)
+            elif drafting.routine(n, online, fixed, n_sampling, 0):
                 return self._plan_idle(n, greedy, context, t0)
+            else:
+                why = "due"
         if self._pending_periods:  # (every path below may read the terms: fresh ones)
             self.land_periods()
         # a step with prefill chunks on a routine step: the decision's bookkeeping at once
@@ -100,6 +113,10 @@ class StepPlanning(StepObservation):
                                                context, t0)  # fmt: skip
             if budget is not None:
                 return budget
+            why = self._chunk_miss
+        elif lagged and other:  # (not routine; or no drafts, drafting off, another mode)
+            why = ("chunk:due" if not counted else "chunk:mode" if total and self.drafting.pays
+                   else "chunk:nodraft")  # fmt: skip
         decide = lagged and not counted and self.drafting.due(n)  # (every few steps, or the
         # batch size moved)
         standing = lagged and not decide and other == 0 and self._stands(n, total, greedy)
@@ -123,7 +140,8 @@ class StepPlanning(StepObservation):
             part = ("decision" if decide
                     else "search" if self.planner.searches > searches else "other")  # fmt: skip
             # (the step log names why a search ran: search:new / spent / rate, plan_reuse.py)
-            detail = f"search:{self.planner.standing.miss}" if part == "search" else None
+            detail = (f"search:{self.planner.standing.miss}" if part == "search"
+                      else f"other:{why}" if part == "other" and why else None)  # fmt: skip
             seconds = time.perf_counter() - t0
             self.overhead.add_plan(part, seconds * 1e3, detail)
             if decide:  # (what spaces routine decisions: DraftingDecision.note_decision_s)
@@ -187,9 +205,11 @@ class StepPlanning(StepObservation):
         the H200, trained pair, thirty-fifth session)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
+            self._chunk_miss = "chunk:rate"  # (plan()'s "other:<why>")
             return None
         budget = self.planner.take_standing(n, other, total, n_sampling, rate)
         if budget is None:
+            self._chunk_miss = "chunk:shape"  # (no plan standing for this shape and rate)
             return None
         self.cost.set_step_context(context)  # (as plan() does for every plan)
         self._settled.pop((n, greedy), None)  # (as _plan does)

@@ -157,14 +157,16 @@ def _plans(llm, fast: bool, prompt_len: int = 13) -> tuple[list, list, dict]:
     params = [SamplingParams(temperature=0.0, max_tokens=18 + 4 * i, ignore_eos=True)
               for i in range(10)]  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    counts |= {"parts": dict(spec.overhead.plans), "kinds": dict(spec.step_counts)}
+    counts |= {"parts": dict(spec.overhead.plans), "kinds": dict(spec.step_counts),
+               "paths": {path: n for path, (n, _) in spec.overhead.paths.items()}}
     return seen, [o.outputs[0].token_ids for o in outs], counts
 
 
 def _part(path: str | None) -> str | None:
     """The part of a plan's path: the paths of the "other" part name themselves
     (tracing.Overhead.paths), the routine ones apart from the full path's."""
-    return "other" if path in ("standing", "chunk_standing", "idle") else path
+    short = path in ("standing", "chunk_standing", "idle")
+    return "other" if short or (path or "").startswith("other:") else path
 
 
 @pytest.mark.parametrize("draft_ms,max_seqs", [(0.0, 16), (0.3, 4), (20.0, 4)])
@@ -252,6 +254,15 @@ def test_chunk_plans_standing_equal_the_full_path(tiny_qwen, drafter, tmp_path, 
     for key in ("decisions", "parts", "kinds"):
         assert fast_counts[key] == full_counts[key]
     assert full_counts["chunk_short"] == 0
+    # every plan of the "other" part names its path, and one that took the full path without
+    # a search or decision says why (what the host timers' plans by path print)
+    for counts in (full_counts, fast_counts):
+        paths = counts["paths"]
+        other = {p: c for p, c in paths.items() if not p.startswith(("decision", "search"))}
+        assert sum(other.values()) == counts["parts"]["other"] and "other" not in other, paths
+        why = {p.removeprefix("other:") for p in other if p.startswith("other:")}
+        assert why and why <= {"unmarked", "unsettled", "due", "probe", "mode", "chunk:rate",
+                               "chunk:shape", "chunk:due", "chunk:mode", "chunk:nodraft"}, paths
     mixed = sum(fast_counts["kinds"].get(k, 0) for k in ("mixed", "mixed_verify"))
     assert fast_counts["chunk_short"] >= mixed // 4, fast_counts
     if ms_per_token > 0.01:  # (searched, trimmed plans beside chunks; the step log says why)
