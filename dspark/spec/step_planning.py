@@ -56,7 +56,6 @@ class StepPlanning(StepObservation):
     # token budget (scheduler.py); 1.0 until such a step plans, and for the other policies
     draft_share = 1.0
     _draft_room: int | None = None  # drafts the step planned now may verify (None: all)
-    _chunk_miss = "chunk:rate"  # why _plan_chunk_standing last declined (plan()'s log)
     # _opportunity_rate's memo, in the mode (sampling mode, no survival estimate yet)
     rate_memo: RateMemo  # (set_cost_model: RateMemo(RATE_MEMO_PLANS))
     cruise: Cruise  # (set_cost_model: Cruise())
@@ -108,12 +107,13 @@ class StepPlanning(StepObservation):
         # (DraftingDecision.routine; _after_budget then skips after_plan), its plan as usual
         counted = lagged and other > 0 and self.drafting.routine(n, online, fixed, n_sampling,
                                                                  other)  # fmt: skip
-        if counted and total and self.drafting.pays and greedy == self.fixed_costs.greedy:
+        if counted and total and self.drafting.pays and greedy == fixed.greedy:
             budget = self._plan_chunk_standing(host, n, total, other, n_sampling, greedy,
                                                context, t0)  # fmt: skip
             if budget is not None:
                 return budget
-            why = self._chunk_miss
+            # (the rate's memo expired, or no plan stands for the shape at that rate)
+            why = "chunk:rate" if self._memoized_rate(n_sampling) is None else "chunk:shape"
         elif lagged and other:  # (not routine; or no drafts, drafting off, another mode)
             why = ("chunk:due" if not counted else "chunk:mode" if total and self.drafting.pays
                    else "chunk:nodraft")  # fmt: skip
@@ -205,11 +205,9 @@ class StepPlanning(StepObservation):
         the H200, trained pair, thirty-fifth session)."""
         rate = self._memoized_rate(n_sampling)
         if rate is None:
-            self._chunk_miss = "chunk:rate"  # (plan()'s "other:<why>")
             return None
         budget = self.planner.take_standing(n, other, total, n_sampling, rate)
         if budget is None:
-            self._chunk_miss = "chunk:shape"  # (no plan standing for this shape and rate)
             return None
         self.cost.set_step_context(context)  # (as plan() does for every plan)
         self._settled.pop((n, greedy), None)  # (as _plan does)
