@@ -40,10 +40,12 @@ def load_target(
     cls = resolve_model_class(model_cfg.architectures)
     with torch.device("meta"), _no_random_init():
         model = cls(model_cfg)
-    # (to_empty's empty_like on meta tensors imports those Python meta kernels too: 0.4-0.7 s
-    # of every server's start-up on a 2-core CPU; torch.empty does not)
-    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model = model.to(dtype)
+    # allocated in the model's dtype at once (floating tensors; what .to(dtype) would cast),
+    # not built in float32 and then copied; torch.empty, as to_empty's empty_like on meta
+    # tensors imports those Python meta kernels too: 0.4-0.7 s of every server's start-up on a
+    # 2-core CPU
+    model = model._apply(lambda t: torch.empty(
+        t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     # non-persistent buffer: recompute it (in float32) after the meta-device construction
     model.rotary.inv_freq = rope_inv_freq(model_cfg.head_dim, model_cfg.rope).to(device)
     if model_cfg.tie_word_embeddings:
